@@ -1,0 +1,119 @@
+"""`CompileReport`: what was compiled, how it was split, and everything that went differently."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from aot import GraphPair
+from ddp.bucketing import MiB
+
+
+@dataclasses.dataclass
+class GraphEntry:
+    """One Dynamo graph as compiled."""
+
+    name: str
+    """`graph_0`, `graph_1`, ... in compile order."""
+    pieces: int
+    """Pieces it was compiled as (1 = not split)."""
+    buckets: list[dict]
+    """`{"params": [user names], "bytes": int}` in backward order (the planned buckets)."""
+    seconds: float
+    """Wall time spent compiling it (all pieces)."""
+    step: int
+    """Which call of the compiled model compiled it (1 = first)."""
+
+
+class CompileLog:
+    """Mutable record filled while compiling; `snapshot()` turns it into a `CompileReport`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.graphs: list[GraphEntry] = []
+        self.graph_breaks: list[dict] = []
+        self.recompiles: list[dict] = []
+        self.fallbacks: list[dict] = []
+        self.pairs: list[GraphPair] = []
+        self.notes: list[str] = []
+        self.alignment: dict = {"status": "pending"}
+        self.compile_seconds = 0.0
+
+    def snapshot(self, *, mode: str, backend: str) -> "CompileReport":
+        with self.lock:
+            return CompileReport(
+                mode=mode,
+                backend=backend,
+                graphs=list(self.graphs),
+                graph_breaks=[dict(x) for x in self.graph_breaks],
+                recompiles=[dict(x) for x in self.recompiles],
+                fallbacks=[dict(x) for x in self.fallbacks],
+                pairs=list(self.pairs),
+                notes=list(self.notes),
+                alignment=dict(self.alignment),
+                compile_seconds=self.compile_seconds,
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """A snapshot of one compiled model's compile history."""
+
+    mode: str
+    backend: str
+    graphs: list[GraphEntry]
+    graph_breaks: list[dict]
+    recompiles: list[dict]
+    fallbacks: list[dict]
+    pairs: list[GraphPair]
+    notes: list[str]
+    alignment: dict
+    compile_seconds: float
+
+    @property
+    def pieces(self) -> int:
+        return sum(g.pieces for g in self.graphs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ddp_mode": self.mode,
+            "backend": self.backend,
+            "graphs": [
+                {"name": g.name, "pieces": g.pieces, "buckets": [dict(b) for b in g.buckets],
+                 "compile_seconds": round(g.seconds, 4), "step": g.step}
+                for g in self.graphs
+            ],
+            "graph_breaks": [dict(x) for x in self.graph_breaks],
+            "recompiles": [dict(x) for x in self.recompiles],
+            "fallbacks": [dict(x) for x in self.fallbacks],
+            "pairs": [p.to_dict() for p in self.pairs],
+            "alignment": dict(self.alignment),
+            "notes": list(self.notes),
+            "compile_seconds": round(self.compile_seconds, 4),
+        }
+
+    def __str__(self) -> str:
+        out = [
+            f"compile report: backend={self.backend} ddp={self.mode} graphs={len(self.graphs)} "
+            f"pieces={self.pieces} compile={self.compile_seconds:.2f}s"
+        ]
+        for g in self.graphs:
+            out.append(f"  {g.name} (step {g.step}): {g.pieces} piece(s), {g.seconds:.2f}s")
+            for i, b in enumerate(g.buckets):
+                names = ", ".join(b["params"]) or "(no parameters)"
+                out.append(f"    bucket {i:>2}  {b['bytes'] / MiB:9.3f} MiB  {names}")
+        align = self.alignment
+        out.append(f"  DDP bucket alignment: {align.get('status')}" + (f" ({align['detail']})" if align.get("detail") else ""))
+        sections = (
+            ("graph breaks", self.graph_breaks, lambda x: f"{x['where']}: {x['reason']}"),
+            ("recompiles", self.recompiles, lambda x: x["reason"]),
+            ("fallbacks", self.fallbacks, lambda x: f"{x['piece']}: {x['from']} -> {x['to']} ({x['error']})"),
+            ("notes", self.notes, str),
+        )
+        for title, rows, fmt in sections:
+            out.append(f"  {title}: {len(rows) if rows else 'none'}")
+            out.extend(f"    - {fmt(r)}" for r in rows)
+        if self.pairs:
+            out.append(f"  forward/backward pairs: {len(self.pairs)}")
+            out.extend(f"    - {p.describe()}" for p in self.pairs)
+        return "\n".join(out)

@@ -1,0 +1,215 @@
+"""Plan DDP gradient buckets over a captured FX graph.
+
+Note [Bucket planning]
+----------------------
+Background: DDP reduces gradients in buckets. A bucket is all-reduced as soon as every gradient in it
+is ready, and gradients become ready in backward order: last-used layers first. A compiled graph runs
+its whole backward as one autograd node, so the graph must be cut into pieces whose parameter sets are
+the buckets; then each bucket's all-reduce starts as soon as its own piece's backward is done.
+
+Algorithm: walk the graph's compute nodes from the output backwards. A parameter belongs to the node
+that uses it *first in forward order* (its gradient is complete only once that node's backward ran),
+so a parameter used several times (tied weights) is counted once, where its gradient becomes ready.
+Add each node's parameters to the open bucket; once the bucket holds at least its cap (the first
+bucket has its own, smaller cap, exactly like DDP's reducer), close it and cut the graph just before
+that node. Two refinements keep every piece well-formed:
+  * a piece must produce something that a later piece or the graph output consumes; otherwise its
+    backward would never run. The open bucket keeps growing until it does;
+  * a leading run of nodes without parameters (input preprocessing) joins the piece after it.
+A higher-order op (activation checkpointing, `wrap`) is one node whose body is a `get_attr`: the body
+goes with its caller, so the region is never cut. Buffers and the parameters DDP ignores are never
+counted. A bucket holds parameters of one dtype/device only (DDP's rule): a change of key closes it.
+
+Notes: the planner is pure: it reads the graph and a table of parameter facts and returns a
+`BucketPlan`; it needs no process group and mutates nothing. `ddp.splitter` turns the plan into
+pieces; `ddp.alignment` makes DDP's reducer use the same buckets.
+
+Debugging: `str(plan)` prints one line per bucket (piece, parameter names, bytes).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch.fx as fx
+
+MiB = 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+"""DDP's default cap for the first bucket (the gradients that are ready first)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParamInfo:
+    """What the planner needs to know about one parameter input of the graph."""
+
+    name: str
+    """The user's fully qualified name (`blocks.3.fc.weight`)."""
+    nbytes: int
+    """Size of its gradient in bytes."""
+    key: str = ""
+    """dtype/device group: DDP never mixes two keys in a bucket."""
+
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            raise ValueError(f"ParamInfo({self.name!r}): nbytes={self.nbytes} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Bucket:
+    """One gradient bucket; it is also one graph piece."""
+
+    index: int
+    """Position in backward order (0 = gradients ready first)."""
+    params: tuple[str, ...]
+    """User names of its parameters, in the order the backward makes them ready."""
+    nbytes: int
+    """Sum of its parameters' gradient bytes."""
+    nodes: tuple[str, ...]
+    """Names of the graph nodes that form its piece, in graph order."""
+
+    def to_dict(self) -> dict:
+        return {"params": list(self.params), "bytes": self.nbytes}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BucketPlan:
+    """Buckets of one graph, in backward order."""
+
+    buckets: tuple[Bucket, ...]
+    """The buckets; `buckets[0]` is reduced first."""
+    bucket_cap_bytes: int
+    """Cap used for every bucket but the first."""
+    first_bucket_cap_bytes: int
+    """Cap used for the first bucket."""
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.buckets)
+
+    def piece_of(self) -> dict[str, int]:
+        """Node name -> piece index in *forward* order (piece 0 runs first in forward)."""
+        n = len(self.buckets)
+        return {node: n - 1 - b.index for b in self.buckets for node in b.nodes}
+
+    def params_in_backward_order(self) -> list[list[str]]:
+        return [list(b.params) for b in self.buckets]
+
+    def __str__(self) -> str:
+        lines = [
+            f"BucketPlan: {len(self.buckets)} bucket(s), cap {self.bucket_cap_bytes / MiB:.3g} MiB, "
+            f"first {self.first_bucket_cap_bytes / MiB:.3g} MiB"
+        ]
+        for b in self.buckets:
+            names = ", ".join(b.params) if b.params else "(no parameters)"
+            lines.append(f"  bucket {b.index}: {b.nbytes / MiB:8.3f} MiB  {names}")
+        return "\n".join(lines)
+
+
+def resolve_caps(bucket_cap_bytes: int, first_bucket_cap_bytes: int | None) -> tuple[int, int]:
+    """Validate the caps; the first bucket's cap defaults to DDP's 1 MiB, clamped to the cap."""
+    if bucket_cap_bytes <= 0:
+        raise ValueError(f"bucket_cap_bytes={bucket_cap_bytes}: must be > 0")
+    if first_bucket_cap_bytes is None:
+        first_bucket_cap_bytes = min(DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_bytes)
+    if first_bucket_cap_bytes <= 0:
+        raise ValueError(f"first_bucket_cap_bytes={first_bucket_cap_bytes}: must be > 0")
+    if first_bucket_cap_bytes > bucket_cap_bytes:
+        raise ValueError(
+            f"first_bucket_cap_bytes={first_bucket_cap_bytes} exceeds bucket_cap_bytes={bucket_cap_bytes}; "
+            "the first bucket may only be smaller than (or equal to) the others"
+        )
+    return bucket_cap_bytes, first_bucket_cap_bytes
+
+
+def plan_buckets(
+    graph: fx.Graph,
+    params: Mapping[str, ParamInfo],
+    *,
+    bucket_cap_bytes: int,
+    first_bucket_cap_bytes: int | None = None,
+    ignore: frozenset[str] = frozenset(),
+) -> BucketPlan:
+    """Plan the buckets (= pieces) of `graph`.
+
+    `params` maps the name of a graph node that *is* a trainable parameter (a placeholder, or a
+    `get_attr` of a parameter) to its facts; every other node is data or a buffer. `ignore` holds
+    user names DDP does not reduce (`_ddp_params_and_buffers_to_ignore`).
+    """
+    cap, first_cap = resolve_caps(bucket_cap_bytes, first_bucket_cap_bytes)
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    position = {n: i for i, n in enumerate(nodes)}
+
+    # Each node owns the parameters whose first use it is.
+    owned: dict[fx.Node, list[ParamInfo]] = {}
+    for node in graph.nodes:
+        info = params.get(node.name)
+        if info is None or info.name in ignore:
+            continue
+        users = [u for u in node.users if u in position]
+        if not users:
+            continue  # an unused parameter input: DDP handles it, no piece owns it
+        first = min(users, key=position.__getitem__)
+        owned.setdefault(first, []).append(info)
+
+    # A get_attr node (parameter, buffer or a higher-order op body) goes with its first user.
+    anchor = {n: n for n in nodes}
+    for n in nodes:
+        if n.op == "get_attr":
+            users = [u for u in n.users if u in position]
+            if users:
+                anchor[n] = min(users, key=position.__getitem__)
+
+    attached_to: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        attached_to.setdefault(anchor[n], []).append(n)
+
+    groups: list[dict] = []  # built in backward order
+    open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
+    output_node = next(n for n in graph.nodes if n.op == "output")
+
+    def feeds_outside(group_nodes: set, node: fx.Node) -> bool:
+        return any(u is output_node or (u in position and u not in group_nodes and position[u] > position[node])
+                   for u in node.users)
+
+    member: set = set()
+    for node in reversed(nodes):
+        if anchor[node] is not node:
+            continue  # placed with its anchor below
+        infos = owned.get(node, [])
+        keys = {p.key for p in infos}
+        if open_group["params"] and keys and keys != {open_group["key"]} and open_group["out"]:
+            groups.append(open_group)
+            open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
+            member = set()
+        attached = attached_to[node]
+        open_group["nodes"].extend(attached)
+        member.update(attached)
+        for p in infos:
+            open_group["params"].append(p.name)
+            open_group["bytes"] += p.nbytes
+            open_group["key"] = p.key
+        if not open_group["out"]:
+            open_group["out"] = any(feeds_outside(member, n) for n in attached)
+        limit = first_cap if not groups else cap
+        if open_group["params"] and open_group["bytes"] >= limit and open_group["out"]:
+            groups.append(open_group)
+            open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
+            member = set()
+    if open_group["nodes"]:
+        if groups and not open_group["params"]:
+            groups[-1]["nodes"].extend(open_group["nodes"])  # parameter-free preamble
+        else:
+            groups.append(open_group)
+    if not groups:
+        groups.append({"nodes": [], "params": [], "bytes": 0})
+
+    buckets = tuple(
+        Bucket(
+            index=i,
+            params=tuple(g["params"]),
+            nbytes=g["bytes"],
+            nodes=tuple(n.name for n in sorted(g["nodes"], key=position.__getitem__)),
+        )
+        for i, g in enumerate(groups)
+    )
+    return BucketPlan(buckets=buckets, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap)

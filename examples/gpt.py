@@ -1,0 +1,95 @@
+"""A small GPT-like model on synthetic tokens, shared by the demo job, the benchmark and the tests.
+
+No downloads: tokens come from a seeded generator.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of the model."""
+
+    vocab_size: int = 4096
+    """Number of token ids."""
+    d_model: int = 384
+    """Width of the residual stream."""
+    n_layers: int = 6
+    """Number of transformer blocks."""
+    n_heads: int = 6
+    """Attention heads per block (must divide d_model)."""
+    max_seq_len: int = 256
+    """Longest sequence the position table covers."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name}={value!r}: must be a positive int")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"GPTConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "pick n_heads that divides d_model"
+            )
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.fc_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q = q.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+        k = k.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+        v = v.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, `n_layers` blocks, a final norm and an untied LM head."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy over a (batch, seq, vocab) logits tensor."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def synthetic_batch(
+    cfg: GPTConfig, batch: int, seq_len: int, *, step: int, rank: int = 0, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic (input, target) token batch for a given step and rank."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

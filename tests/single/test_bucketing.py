@@ -1,0 +1,177 @@
+"""The pure bucket planner: no process group, graphs captured by Dynamo or built by hand."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from ddp.bucketing import MiB, ParamInfo, plan_buckets, resolve_caps
+from ddp.splitter import graph_parameters
+
+
+def capture(module: nn.Module, *inputs: torch.Tensor):
+    """The first graph Dynamo captures for `module(*inputs)` and its parameter table."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.optimize(keep)(lambda *a: module(*a))(*inputs)
+    gm, example_inputs = graphs[0]
+    names = {id(p): n for n, p in module.named_parameters()}
+    table = {k: info for k, (info, _) in graph_parameters(gm, names, example_inputs).items()}
+    return gm, table
+
+
+def mlp(n: int = 3, width: int = 256) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(n):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+LAYER = 256 * 256 * 4 + 256 * 4  # bytes of one Linear(256, 256)
+
+
+def test_mlp_one_bucket_per_layer_in_backward_order():
+    gm, table = capture(mlp(), torch.randn(2, 256))
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=int(0.25 * MiB))
+    assert [b.params for b in plan.buckets] == [
+        ("4.weight", "4.bias"), ("2.weight", "2.bias"), ("0.weight", "0.bias"),
+    ]
+    assert [b.nbytes for b in plan.buckets] == [LAYER] * 3
+    assert plan.num_pieces == 3
+
+
+def test_model_under_the_cap_is_one_bucket():
+    gm, table = capture(mlp(), torch.randn(2, 256))
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=25 * MiB)
+    assert plan.num_pieces == 1
+    assert plan.buckets[0].nbytes == 3 * LAYER
+
+
+def test_first_bucket_has_its_own_cap():
+    gm, table = capture(mlp(4), torch.randn(2, 256))
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=int(0.6 * MiB), first_bucket_cap_bytes=int(0.2 * MiB))
+    # first bucket closes after one layer, the others after three layers' worth (>= 0.6 MiB)
+    assert [len(b.params) for b in plan.buckets] == [2, 6]
+    assert plan.buckets[0].params == ("6.weight", "6.bias")
+
+
+def test_default_first_cap_is_1mib_clamped_to_cap():
+    assert resolve_caps(25 * MiB, None) == (25 * MiB, MiB)
+    tiny = int(0.1 * MiB)
+    assert resolve_caps(tiny, None) == (tiny, tiny)
+
+
+@pytest.mark.parametrize("cap,first", [(0, None), (-1, None), (MiB, 0), (MiB, 2 * MiB)])
+def test_bad_caps_are_rejected(cap, first):
+    with pytest.raises(ValueError, match="cap"):
+        resolve_caps(cap, first)
+
+
+def test_tiny_cap_gives_a_bucket_per_parameter_using_node():
+    gm, table = capture(mlp(), torch.randn(2, 256))
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=int(0.001 * MiB))
+    assert plan.num_pieces == 3  # F.linear takes weight and bias in one node: they stay together
+    assert sum(b.nbytes for b in plan.buckets) == 3 * LAYER
+
+
+def test_ignored_parameters_are_never_counted():
+    gm, table = capture(mlp(), torch.randn(2, 256))
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=25 * MiB, ignore=frozenset({"2.weight", "2.bias"}))
+    params = [p for b in plan.buckets for p in b.params]
+    assert "2.weight" not in params and "2.bias" not in params
+    assert plan.buckets[0].nbytes == 2 * LAYER
+
+
+def test_buffers_are_never_counted():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    gm, table = capture(model, torch.randn(4, 8))
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=25 * MiB)
+    params = sorted(p for b in plan.buckets for p in b.params)
+    assert params == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert plan.buckets[0].nbytes == (64 + 8 + 8 + 8) * 4
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.mid = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.mid(self.emb(idx))))
+
+
+def test_parameter_used_twice_is_counted_once_where_its_gradient_completes():
+    gm, table = capture(Tied(), torch.randint(0, 64, (2, 5)))
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=1)
+    flat = [p for b in plan.buckets for p in b.params]
+    assert sorted(flat) == ["emb.weight", "mid.bias", "mid.weight"]  # head.weight is emb.weight
+    # Its gradient is complete only after the embedding's backward: the last bucket.
+    assert plan.buckets[-1].params == ("emb.weight",)
+    assert sum(b.nbytes for b in plan.buckets) == (64 * 32 + 32 * 32 + 32) * 4
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_checkpointed_regions_are_kept_whole():
+    gm, table = capture(Checkpointed(), torch.randn(2, 64, requires_grad=True))
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=1)  # would cut after every node if it could
+    assert plan.num_pieces == 3
+    for i, bucket in enumerate(reversed(plan.buckets)):
+        assert sorted(bucket.params) == sorted(f"blocks.{i}.{n}" for n in ("0.weight", "0.bias", "2.weight", "2.bias"))
+    # each checkpoint body (a get_attr) sits in the same piece as the op that calls it
+    piece_of = plan.piece_of()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            users = list(node.users)
+            assert all(piece_of[u.name] == piece_of[node.name] for u in users)
+
+
+def test_mirrors_ddp_assignment_for_one_parameter_per_node():
+    """Same cut points as DDP's own size-based assignment over the backward-ordered parameters."""
+    model = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(7)])
+    gm, table = capture(model, torch.randn(2, 128))
+    cap, first = 3 * 128 * 128 * 4 - 1, 128 * 128 * 4
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=cap, first_bucket_cap_bytes=first)
+    params = list(reversed(list(model.parameters())))  # gradient-ready order
+    indices, _ = dist._compute_bucket_assignment_by_size(params, [first, cap], [False] * len(params))
+    names = [n for n, _ in reversed(list(model.named_parameters()))]
+    expected = [tuple(names[i] for i in bucket) for bucket in indices]
+    assert [b.params for b in plan.buckets] == expected
+
+
+def test_handmade_graph_with_get_attr_parameters():
+    """The planner also reads parameters held as get_attr nodes (older Dynamo / fx.symbolic_trace)."""
+
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(16, 16))
+            self.w2 = nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):
+            return F.linear(torch.relu(F.linear(x, self.w1)), self.w2)
+
+    gm = torch.fx.symbolic_trace(Functional())
+    table = {n.name: ParamInfo(name=n.target, nbytes=1024) for n in gm.graph.nodes if n.op == "get_attr"}
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=1024)
+    assert [b.params for b in plan.buckets] == [("w2",), ("w1",)]
+    assert str(plan).count("bucket") == 3  # header + one line per bucket

@@ -1,0 +1,292 @@
+"""compile_core.compile on real DDP (world size 1, gloo), compared with eager DDP."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils.checkpoint
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import compile_core
+
+pytestmark = pytest.mark.usefixtures("pg")
+
+
+def mlp(n: int = 3, width: int = 256) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(n):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def run_against_eager(make_model, make_input, *, steps=2, ddp_kwargs=None, ignore=(), rtol=1e-4, atol=1e-5, **compile_kwargs):
+    """Train `steps` SGD steps with compiled DDP and eager DDP from the same weights; compare everything."""
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    if ignore:
+        for m in (model, ref):
+            DDP._set_params_and_buffers_to_ignore_for_model(m, list(ignore))
+    ours = DDP(model, **(ddp_kwargs or {}))
+    theirs = DDP(ref, **(ddp_kwargs or {}))
+    compiled = compile_core.compile(ours, **compile_kwargs)
+    for step in range(steps):
+        x = make_input(step)
+        out, expected = compiled(x), theirs(x)
+        torch.testing.assert_close(out, expected, rtol=rtol, atol=atol, msg=f"step {step} output")
+        out.float().square().mean().backward()
+        expected.float().square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            if p.grad is None and q.grad is None:
+                continue
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=f"step {step} grad {name}")
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+                    q -= 0.1 * q.grad
+                p.grad, q.grad = None, None
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=f"buffer {name}")
+    return compiled, compiled.report().to_dict()
+
+
+def x256(step: int) -> torch.Tensor:
+    return torch.randn(8, 256, generator=torch.Generator().manual_seed(step))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_mlp_splits_into_three_pieces_and_matches_eager(backend):
+    compiled, report = run_against_eager(mlp, x256, backend=backend, bucket_cap_mb=0.25)
+    assert [g["pieces"] for g in report["graphs"]] == [3]
+    assert [b["params"] for b in report["graphs"][0]["buckets"]] == [
+        ["4.weight", "4.bias"], ["2.weight", "2.bias"], ["0.weight", "0.bias"]
+    ]
+    assert all(b["bytes"] == 256 * 257 * 4 for b in report["graphs"][0]["buckets"])
+    assert report["alignment"]["status"] == "aligned"
+    assert report["fallbacks"] == []
+    # every piece got its backward graph from AOTAutograd
+    assert len(report["pairs"]) == 3 and all(p["backward_ops"] for p in report["pairs"])
+
+
+def test_model_under_the_cap_is_one_piece():
+    _, report = run_against_eager(mlp, x256, backend="aot_eager")
+    assert [g["pieces"] for g in report["graphs"]] == [1]
+
+
+def test_caps_come_from_the_ddp_object():
+    _, report = run_against_eager(mlp, x256, backend="aot_eager", ddp_kwargs={"bucket_cap_mb": 0.25})
+    assert [g["pieces"] for g in report["graphs"]] == [3]
+
+
+def test_ignored_parameters_are_not_bucketed():
+    _, report = run_against_eager(mlp, x256, backend="aot_eager", bucket_cap_mb=0.25, ignore=("2.weight", "2.bias"))
+    names = [p for b in report["graphs"][0]["buckets"] for p in b["params"]]
+    assert sorted(names) == ["0.bias", "0.weight", "4.bias", "4.weight"]
+
+
+def test_first_bucket_cap():
+    make = lambda: mlp(4)  # noqa: E731
+    _, report = run_against_eager(make, x256, backend="aot_eager", bucket_cap_mb=1.0, first_bucket_cap_mb=0.1)
+    buckets = report["graphs"][0]["buckets"]
+    assert buckets[0]["params"] == ["6.weight", "6.bias"]
+    assert len(buckets) == 2
+
+
+def test_tiny_cap():
+    _, report = run_against_eager(mlp, x256, backend="aot_eager", bucket_cap_mb=0.001)
+    assert [g["pieces"] for g in report["graphs"]] == [3]
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_checkpointed_blocks():
+    x = lambda s: torch.randn(4, 64, generator=torch.Generator().manual_seed(s))  # noqa: E731
+    _, report = run_against_eager(Checkpointed, x, backend="aot_eager", bucket_cap_mb=0.001)
+    assert [g["pieces"] for g in report["graphs"]] == [3]
+
+
+class SeqModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.mix = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 50)
+
+    def forward(self, idx):
+        h = torch.tanh(self.mix(self.emb(idx)))
+        h = h - h.mean(dim=1, keepdim=True)  # a reduction over the (symbolic) sequence length
+        return self.out(h)
+
+
+def test_growing_sequence_length_without_recompiles():
+    lengths = [6, 9, 13, 17]
+    x = lambda s: torch.randint(0, 50, (2, lengths[s]), generator=torch.Generator().manual_seed(s))  # noqa: E731
+    _, report = run_against_eager(SeqModel, x, steps=4, backend="aot_eager", bucket_cap_mb=0.001, dynamic=True)
+    assert report["recompiles"] == []
+    assert [g["pieces"] for g in report["graphs"]] == [3]
+
+
+def test_batchnorm_buffers_over_two_steps():
+    make = lambda: nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256))  # noqa: E731
+    _, report = run_against_eager(make, x256, steps=2, backend="aot_eager", bucket_cap_mb=0.1)
+    assert report["graphs"][0]["pieces"] == 2
+
+
+def test_sequential_at_the_top_really_compiles():
+    _, report = run_against_eager(mlp, x256, backend="aot_eager", bucket_cap_mb=0.25)
+    assert len(report["graphs"]) == 1 and len(report["pairs"]) == 3
+
+
+def test_fullgraph_with_a_ddp_model():
+    _, report = run_against_eager(mlp, x256, backend="aot_eager", fullgraph=True, bucket_cap_mb=0.25)
+    assert report["graph_breaks"] == []
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent branch: Dynamo must break the graph here
+            h = h * 2
+        return self.b(h)
+
+
+def test_data_dependent_graph_break_is_reported_with_reason_and_place():
+    x = lambda s: torch.randn(4, 16, generator=torch.Generator().manual_seed(s))  # noqa: E731
+    _, report = run_against_eager(DataDependent, x, backend="aot_eager", bucket_cap_mb=0.001)
+    assert len(report["graph_breaks"]) >= 1
+    brk = report["graph_breaks"][0]
+    assert "test_compile_ddp.py:" in brk["where"]
+    assert brk["reason"]
+    # both sides of the break are compiled; DDP buckets cover the parameters of both graphs
+    assert len(report["graphs"]) >= 2
+    assert report["alignment"]["status"] == "aligned"
+    assert sorted(p for b in report["alignment"]["buckets"] for p in b) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+
+
+def test_fullgraph_turns_the_graph_break_into_an_error():
+    model = DDP(DataDependent())
+    compiled = compile_core.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="(?i)data.dependent|graph break|Unsupported"):
+        compiled(torch.randn(4, 16))
+
+
+def test_state_dict_keys_equal_the_models():
+    model = DDP(mlp())
+    compiled = compile_core.compile(model, backend="aot_eager")
+    compiled(torch.randn(2, 256))
+    assert list(compiled.state_dict()) == list(model.state_dict())
+    assert all("_orig_mod" not in k for k in compiled.state_dict())
+
+
+@pytest.mark.parametrize("mode,pieces", [("none", 1), ("split", 3)])
+def test_ddp_modes(mode, pieces):
+    _, report = run_against_eager(mlp, x256, backend="aot_eager", bucket_cap_mb=0.25, ddp=mode)
+    assert sum(g["pieces"] for g in report["graphs"]) == pieces
+
+
+def test_torch_mode_uses_pytorchs_ddp_optimizer():
+    # PyTorch's DDPOptimizer asserts on caps under its 1 MiB first bucket, so this uses 1 MiB layers.
+    make = lambda: mlp(3, 512)  # noqa: E731
+    x = lambda s: torch.randn(4, 512, generator=torch.Generator().manual_seed(s))  # noqa: E731
+    _, report = run_against_eager(make, x, backend="aot_eager", ddp_kwargs={"bucket_cap_mb": 1}, ddp="torch")
+    # DDPOptimizer calls the backend once per piece it cut
+    assert len(report["graphs"]) >= 2
+
+
+def test_inductor_failure_falls_back_and_is_reported():
+    compiled, report = run_against_eager(
+        mlp, x256, backend="inductor", bucket_cap_mb=0.25, options={"_raise_error_for_testing": True}
+    )
+    assert len(report["fallbacks"]) == 3
+    assert {(f["from"], f["to"]) for f in report["fallbacks"]} == {("inductor", "aot_eager")}
+    assert all(f["piece"].startswith("graph_0.piece_") and f["error"] for f in report["fallbacks"])
+    assert "fallbacks: 3" in str(compiled.report())
+
+
+class AutocastMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        x = self.layers[0](x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = self.layers[1](x)
+            x = self.layers[2](x)
+        return self.layers[3](x.float())
+
+
+def test_autocast_region_across_piece_boundaries():
+    x = lambda s: torch.randn(4, 64, generator=torch.Generator().manual_seed(s))  # noqa: E731
+    _, report = run_against_eager(AutocastMiddle, x, backend="aot_eager", bucket_cap_mb=0.001, rtol=2e-2, atol=2e-2)
+    assert report["graphs"][0]["pieces"] == 4
+
+
+class NoGradMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        x = self.layers[0](x)
+        with torch.no_grad():
+            self.calls.add_(1)  # an in-place-only stretch of graph
+        x = self.layers[1](x)
+        return self.layers[2](x)
+
+
+def test_no_grad_and_in_place_only_region():
+    x = lambda s: torch.randn(4, 32, generator=torch.Generator().manual_seed(s))  # noqa: E731
+    compiled, report = run_against_eager(NoGradMiddle, x, backend="aot_eager", bucket_cap_mb=0.001)
+    assert report["graphs"][0]["pieces"] == 3
+    assert compiled.module.module.calls.item() == 2
+
+
+# ---- bad input: a clear error before any compile work -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"ddp": "fast"}, ValueError, "ddp='fast'"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb=0"),
+        ({"bucket_cap_mb": -3}, ValueError, "bucket_cap_mb=-3"),
+        ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb='25'"),
+        ({"first_bucket_cap_mb": 0}, ValueError, "first_bucket_cap_mb=0"),
+        ({"bucket_cap_mb": 1, "first_bucket_cap_mb": 2}, ValueError, "first_bucket_cap_mb=2"),
+        ({"first_bucket_cap_mb": 30}, ValueError, "first_bucket_cap_mb=30"),  # DDP's cap is 25 MiB
+        ({"backend": "inductr"}, ValueError, "backend='inductr'"),
+        ({"backend": "aot_eager", "mode": "max-autotune"}, ValueError, "only apply to backend='inductor'"),
+        ({"mode": "turbo"}, ValueError, "mode='turbo'"),
+        ({"options": {"no_such_option": 1}}, ValueError, "no_such_option"),
+    ],
+)
+def test_bad_input_is_rejected_before_compiling(kwargs, exc, match):
+    model = DDP(mlp(1))
+    with pytest.raises(exc, match=match):
+        compile_core.compile(model, **kwargs)
+    assert getattr(model.module, "_compiled_call_impl", None) is None
+
+
+def test_model_that_is_not_a_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        compile_core.compile(lambda x: x)
