@@ -149,10 +149,12 @@ class CompiledModel:
         for backend in chain:
             try:
                 compiled, used_aot = self._compile_with(backend, gm, example_inputs, name)
+            except torch._dynamo.exc.RestartAnalysis:
+                raise  # Dynamo's own control flow (e.g. specialize a float and trace again), not a failure
             except Exception as exc:  # noqa: BLE001 - any compiler failure moves to the next backend
                 if backend == chain[-1]:
                     raise
-                log.warning("compile_core: %s failed to compile %s: %s; falling back", backend, name, exc)
+                log.warning("compile_core: %s failed to compile %s: %r; falling back", backend, name, exc, exc_info=log.isEnabledFor(logging.DEBUG))
                 if first_error is None:
                     first_error = (backend, exc)
                 continue

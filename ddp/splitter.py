@@ -155,7 +155,6 @@ class DDPSplitter:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         name = f"graph_{self.graph_count}"
-        self.graph_count += 1
         table = graph_parameters(gm, self.config.param_names, list(example_inputs))
         plan = plan_buckets(
             gm.graph,
@@ -170,12 +169,14 @@ class DDPSplitter:
         log.debug("%s: %s", name, plan)
         if not split:
             compiled, _ = self.compile_piece(gm, list(example_inputs), name)
+            self.graph_count += 1
             self.on_graph(SplitGraph(name=name, plan=plan, pieces=1, params=params))
             return compiled
         piece_of = plan.piece_of()
         split_gm = split_module(gm, None, lambda node: piece_of[node.name], keep_original_order=True)
         log.debug("%s split into %d pieces:\n%s", name, plan.num_pieces, split_gm.graph)
         _PieceCompilingInterpreter(split_gm, self.compile_piece, name).compile(example_inputs)
+        self.graph_count += 1  # counted once compiled: Dynamo may restart a trace and call us again
         self.on_graph(SplitGraph(name=name, plan=plan, pieces=plan.num_pieces, params=params))
         return split_gm
 

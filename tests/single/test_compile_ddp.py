@@ -131,12 +131,25 @@ class SeqModel(nn.Module):
         return self.out(h)
 
 
-def test_growing_sequence_length_without_recompiles():
-    lengths = [6, 9, 13, 17]
-    x = lambda s: torch.randint(0, 50, (2, lengths[s]), generator=torch.Generator().manual_seed(s))  # noqa: E731
-    _, report = run_against_eager(SeqModel, x, steps=4, backend="aot_eager", bucket_cap_mb=0.001, dynamic=True)
+def growing(s: int) -> torch.Tensor:
+    return torch.randint(0, 50, (2, [6, 9, 13, 17][s]), generator=torch.Generator().manual_seed(s))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_growing_sequence_length_without_recompiles(backend):
+    _, report = run_against_eager(SeqModel, growing, steps=4, backend=backend, bucket_cap_mb=0.001, dynamic=True)
     assert report["recompiles"] == []
+    assert report["fallbacks"] == []
     assert [g["pieces"] for g in report["graphs"]] == [3]
+
+
+def test_a_size_change_without_dynamic_is_a_reported_recompile():
+    _, report = run_against_eager(SeqModel, growing, steps=3, backend="aot_eager", bucket_cap_mb=0.001)
+    # automatic dynamic shapes: the first new length recompiles once (size guard), later ones do not
+    assert len(report["recompiles"]) == 1
+    assert "size mismatch" in report["recompiles"][0]["reason"]
+    assert [g["pieces"] for g in report["graphs"]] == [3, 3]
+    assert report["notes"] == []  # the recompiled graph has the same pieces: still DDP's buckets
 
 
 def test_batchnorm_buffers_over_two_steps():
@@ -290,3 +303,22 @@ def test_bad_input_is_rejected_before_compiling(kwargs, exc, match):
 def test_model_that_is_not_a_module():
     with pytest.raises(TypeError, match="nn.Module"):
         compile_core.compile(lambda x: x)
+
+
+@pytest.mark.parametrize(
+    "ddp_kwargs",
+    [{"gradient_as_bucket_view": True}, {"find_unused_parameters": True}],
+    ids=["gradient_as_bucket_view", "find_unused_parameters"],
+)
+def test_reducer_options_survive_alignment(ddp_kwargs):
+    _, report = run_against_eager(mlp, x256, steps=3, backend="aot_eager", bucket_cap_mb=0.25, ddp_kwargs=ddp_kwargs)
+    assert report["alignment"]["status"] == "aligned"
+    assert len(report["alignment"]["buckets"]) == 3
+
+
+def test_static_graph_keeps_ddps_buckets_and_says_why():
+    _, report = run_against_eager(
+        mlp, x256, steps=3, backend="aot_eager", bucket_cap_mb=0.25, ddp_kwargs={"static_graph": True}
+    )
+    assert report["alignment"]["status"] == "skipped"
+    assert "static_graph" in report["alignment"]["detail"]
