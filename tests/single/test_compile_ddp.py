@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -61,6 +62,9 @@ def x256(step: int) -> torch.Tensor:
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_mlp_splits_into_three_pieces_and_matches_eager(backend):
     compiled, report = run_against_eager(mlp, x256, backend=backend, bucket_cap_mb=0.25)
+    assert json.loads(json.dumps(report)) == report  # JSON-ready
+    table = str(compiled.report())
+    assert "3 piece(s)" in table and "4.weight, 4.bias" in table and "0.251 MiB" in table
     assert [g["pieces"] for g in report["graphs"]] == [3]
     assert [b["params"] for b in report["graphs"][0]["buckets"]] == [
         ["4.weight", "4.bias"], ["2.weight", "2.bias"], ["0.weight", "0.bias"]
