@@ -1,0 +1,186 @@
+"""Demo job: a small GPT on synthetic tokens, trained under DDP with the compiled train step.
+
+    python -m launch examples/train_gpt.py --steps 20                    # 2 gloo ranks on CPU
+    python -m launch --nproc-per-node auto examples/train_gpt.py          # one rank per GPU (nccl)
+    torchx run -s local_cwd launch/components.py:trainer --script examples/train_gpt.py
+
+Why it exists: it is the end-to-end check that the launcher, DDP and the compile core work together,
+and the thing a user copies. `--mode` picks the path:
+  * auto (default): train_step when compile_core provides it, else compile;
+  * train_step: `compile_core.train_step(ddp_model, opt, lm_loss, backend=..., ddp="split")` -
+    compiled forward + loss + backward + compiled optimizer update;
+  * compile: `compile_core.compile(ddp_model, backend=...)` with an eager optimizer;
+  * eager: plain DDP, no compilation (the baseline, and a way to test the launcher alone).
+Rank 0 prints one line per step, the compile report once, and a summary. The process-group backend comes
+from DDP_COMPILE_BACKEND (set by the launcher), else nccl when this rank has a GPU, else gloo.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+# Run as a script (torchrun puts examples/ first on sys.path) or as -m examples.train_gpt: either way the
+# repo root must be importable for `compile_core` and `examples.gpt`.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
+
+BACKEND_ENV = "DDP_COMPILE_BACKEND"
+MODES = ("auto", "train_step", "compile", "eager")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """What to train and how; validated on construction."""
+
+    steps: int = 20
+    """Optimizer steps to run."""
+    batch: int = 8
+    """Sequences per rank per step."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    d_model: int = 128
+    """Model width (a multiple of 4: the model uses 4 heads)."""
+    layers: int = 2
+    """Transformer blocks."""
+    vocab: int = 1024
+    """Vocabulary size of the synthetic tokens."""
+    backend: str = "inductor"
+    """torch.compile backend: inductor, aot_eager or eager (Dynamo only)."""
+    mode: str = "auto"
+    """auto (train_step if compile_core has it, else compile), train_step, compile or eager."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch", "seq_len", "d_model", "layers", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.d_model % 4:
+            raise ValueError(f"--d-model {self.d_model}: must be a multiple of 4 (4 attention heads)")
+        if self.backend not in COMPILE_BACKENDS:
+            raise ValueError(f"--backend {self.backend!r}: choose one of {', '.join(COMPILE_BACKENDS)}")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode {self.mode!r}: choose one of {', '.join(MODES)}")
+
+
+def parse_args(argv: list[str] | None) -> TrainConfig:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = TrainConfig()
+    for field in dataclasses.fields(TrainConfig):
+        default = getattr(defaults, field.name)
+        p.add_argument(f"--{field.name.replace('_', '-')}", type=type(default), default=default)
+    ns = p.parse_args(argv)
+    try:
+        return TrainConfig(**vars(ns))
+    except ValueError as exc:
+        p.error(str(exc))  # exit code 2, one line
+        raise  # unreachable: p.error exits
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes; returns (rank, world size, device)."""
+    backend = os.environ.get(BACKEND_ENV) or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        device = torch.device("cpu")
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimizer):
+    """Returns (step(x, y) -> loss, report() -> str or None) for the chosen mode."""
+    if cfg.mode == "eager":
+        def eager_step(x, y):
+            loss = lm_loss(ddp_model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+        return eager_step, lambda: None
+
+    import compile_core
+
+    mode = cfg.mode
+    if mode == "auto":
+        mode = "train_step" if hasattr(compile_core, "train_step") else "compile"
+    if mode == "train_step":
+        if not hasattr(compile_core, "train_step"):
+            raise SystemExit("compile_core.train_step is not available in this checkout; use --mode compile or --mode eager")
+        step = compile_core.train_step(ddp_model, optimizer, lm_loss, backend=cfg.backend, ddp="split")
+        return step, lambda: str(step.report())
+
+    compiled = compile_core.compile(ddp_model, backend=cfg.backend, ddp="split")
+
+    def compiled_step(x, y):
+        loss = lm_loss(compiled(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return compiled_step, lambda: str(compiled.report())
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    rank, world, device = init_distributed()
+    try:
+        train(cfg, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None:
+    torch.manual_seed(0)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    gcfg = GPTConfig(vocab_size=cfg.vocab, d_model=cfg.d_model, n_layers=cfg.layers, n_heads=4,
+                     max_seq_len=cfg.seq_len)
+    model = GPT(gcfg).to(device)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    step, report = build_step(cfg, ddp_model, optimizer)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"train_gpt: {world} ranks ({dist.get_backend()}), mode={cfg.mode}, backend={cfg.backend}, "
+        f"{n_params / 1e6:.2f}M params, batch {cfg.batch}x{cfg.seq_len} per rank", flush=True)
+
+    tokens_per_step = cfg.batch * cfg.seq_len * world
+    times: list[float] = []
+    t_start = time.perf_counter()
+    loss = torch.tensor(float("nan"))
+    for i in range(cfg.steps):
+        x, y = (t.to(device) for t in synthetic_batch(gcfg, cfg.batch, cfg.seq_len, step=i, rank=rank))
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        loss_value = loss.item()  # host sync: the step time below covers the whole step
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        say(f"step {i + 1:4d}/{cfg.steps}  loss {loss_value:.4f}  {dt * 1e3:8.1f} ms  "
+            f"{tokens_per_step / dt:10.0f} tok/s", flush=True)
+        if i == 0 and (text := report()) is not None:
+            say(f"compile report (rank 0):\n{text}", flush=True)
+    total = time.perf_counter() - t_start
+    steady = times[1:] or times  # step 1 includes compilation
+    median = statistics.median(steady)
+    first_note = " (includes compile)" if cfg.mode != "eager" else ""
+    say(f"summary: {cfg.steps} steps in {total:.1f}s; first step {times[0] * 1e3:.0f} ms{first_note}; "
+        f"median step after that {median * 1e3:.1f} ms = {tokens_per_step / median:.0f} tok/s over {world} ranks; "
+        f"final loss {loss.item():.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Per-rank trampoline: ``python -m launch.worker script PATH ARGS...`` or ``... module NAME ARGS...``.
+
+torchrun starts this instead of the user's script so that every rank runs the script under torchelastic's
+``@record``: an uncaught exception is written to the rank's torchelastic error file, and torchrun's
+failure summary then carries the real traceback rather than "To enable traceback see ...". It also drops
+a small ``launch_failure.json`` next to that error file with the global rank, so ``python -m launch`` can
+say *which* rank failed first even on multi-node jobs (the error file path only knows the local rank).
+
+The script sees the same ``sys.argv``, ``sys.path[0]`` and ``__name__ == "__main__"`` as under
+``python script.py`` / ``python -m module``. This module imports nothing of the compile stack.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import socket
+import sys
+import time
+import traceback
+
+FAILURE_FILE = "launch_failure.json"
+_USAGE = "usage: python -m launch.worker {script PATH | module NAME} [ARGS...]"
+
+
+def _write_failure(exc: BaseException) -> None:
+    """Record rank + exception beside the torchelastic error file (only when run under torchrun)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return
+    info = {
+        "rank": int(os.environ.get("RANK", "-1")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
+        "group_rank": int(os.environ.get("GROUP_RANK", "-1")),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "time": time.time(),
+        "exception": f"{type(exc).__name__}: {exc}",
+        "traceback": _user_traceback(exc),
+    }
+    try:
+        os.makedirs(os.path.dirname(error_file), exist_ok=True)
+        with open(os.path.join(os.path.dirname(error_file), FAILURE_FILE), "w") as f:
+            json.dump(info, f)
+    except OSError:
+        pass  # the report is a convenience; never mask the user's exception with our own
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback from the user's first frame on: our trampoline and runpy frames are noise."""
+    tb = exc.__traceback__
+    ours = os.path.abspath(__file__)
+    while tb is not None and tb.tb_next is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if filename != ours and "runpy" not in os.path.basename(filename):
+            break
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _run(kind: str, target: str, args: list[str]) -> None:
+    if kind == "script":
+        # `python script.py` puts the script's directory first on sys.path; `python -m launch.worker` put
+        # the cwd there instead.
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        sys.argv = [target, *args]
+        runpy.run_path(target, run_name="__main__")
+    else:
+        sys.argv = [target, *args]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2 or argv[0] not in ("script", "module"):
+        raise SystemExit(f"launch.worker: got {argv[:2]!r}; {_USAGE}")
+    kind, target, args = argv[0], argv[1], argv[2:]
+
+    # Imported here, not at module level: keeps `import launch.worker` free of torch for tooling.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    def run_recorded() -> None:
+        try:
+            _run(kind, target, args)
+        except Exception as exc:  # same scope as @record: SystemExit/KeyboardInterrupt are not failures
+            _write_failure(exc)
+            raise
+
+    record(run_recorded)()
+
+
+if __name__ == "__main__":
+    main()
