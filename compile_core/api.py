@@ -72,7 +72,7 @@ class CompiledModel:
         self._mode = config.ddp or "split"
         self._log = CompileLog()
         self._calls = 0
-        self._last_guard_failure: str | None = None
+        self._pending_guard_failures: list[dict] = []
         self._split_graphs: list[tuple[int, SplitGraph]] = []
         self._aligned_buckets: list[frozenset[str]] | None = None
 
@@ -193,6 +193,7 @@ class CompiledModel:
     def _torch_mode_backend(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         # PyTorch's DDPOptimizer calls this once per piece it made.
         start = time.perf_counter()
+        self._note_recompile()
         self._note_graph_break(gm)
         name = f"torch_piece_{len(self._log.graphs)}"
         compiled, _ = self._compile_piece(gm, list(example_inputs), name)
@@ -226,11 +227,19 @@ class CompiledModel:
             self._log.graph_breaks.append({"reason": str(reason.reason), "where": where})
 
     def _on_guard_fail(self, failure: Any) -> None:
-        reason = getattr(failure, "reason", str(failure))
+        # Dynamo calls this once per cached entry that failed, just before it recompiles; the
+        # failures are folded into one recompile when the backend is next called (`_note_recompile`).
         code = getattr(failure, "orig_code", None)
         where = f"{code.co_filename}:{code.co_firstlineno} {code.co_name}" if code is not None else ""
         with self._log.lock:
-            self._log.recompiles.append({"reason": str(reason), "where": where})
+            self._pending_guard_failures.append({"reason": str(getattr(failure, "reason", failure)), "where": where})
+
+    def _note_recompile(self) -> None:
+        with self._log.lock:
+            pending, self._pending_guard_failures = self._pending_guard_failures, []
+            if pending:
+                reasons = list(dict.fromkeys(f["reason"] for f in pending))
+                self._log.recompiles.append({"reason": "; ".join(reasons), "where": pending[0]["where"]})
 
     # ---- DDP bucket alignment --------------------------------------------------------------------
 
@@ -306,6 +315,7 @@ class _TimedBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         start = time.perf_counter()
+        self.owner._note_recompile()
         self.owner._note_graph_break(gm)
         compiled = self.splitter(gm, example_inputs)
         seconds = time.perf_counter() - start

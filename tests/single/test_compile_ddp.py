@@ -326,3 +326,12 @@ def test_static_graph_keeps_ddps_buckets_and_says_why():
     )
     assert report["alignment"]["status"] == "skipped"
     assert "static_graph" in report["alignment"]["detail"]
+
+
+def test_each_recompile_is_counted_once():
+    """Two cached entries failing before one new compile make one recompile, not two."""
+    shapes = [(2, 8), (2, 9), (3, 10)]  # static; dynamic length; a new batch size fails both entries
+    x = lambda s: torch.randint(0, 50, shapes[s], generator=torch.Generator().manual_seed(s))  # noqa: E731
+    compiled, report = run_against_eager(SeqModel, x, steps=3, backend="aot_eager")
+    assert len(report["graphs"]) == 3
+    assert len(report["recompiles"]) == 2, report["recompiles"]
