@@ -243,8 +243,8 @@ class CompiledModel:
 
     # ---- DDP bucket alignment --------------------------------------------------------------------
 
-    def _align_ddp_buckets(self) -> None:
-        """Before the second call: make DDP's buckets equal our pieces (see ddp/alignment.py)."""
+    def _planned_buckets(self) -> list[list[torch.nn.Parameter]]:
+        """Every bucket of the graphs compiled in the first compiling step, in backward order."""
         first_step = [g for step, g in self._split_graphs if step == self._split_graphs[0][0]]
         buckets: list[list[torch.nn.Parameter]] = []
         for graph in reversed(first_step):  # later graphs run their backward first
@@ -256,7 +256,11 @@ class CompiledModel:
             kept = [p for p in bucket if id(p) not in seen]
             seen.update(id(p) for p in kept)
             deduped.append(kept)
-        buckets = [b for b in reversed(deduped) if b]
+        return [b for b in reversed(deduped) if b]
+
+    def _align_ddp_buckets(self) -> None:
+        """Before the second call: make DDP's buckets equal our pieces (see ddp/alignment.py)."""
+        buckets = self._planned_buckets()
         blocker = alignment_blocker(self._ddp, buckets)
         if blocker is not None:
             self._aligned_buckets = []
@@ -284,7 +288,25 @@ class CompiledModel:
     # ---- reporting and delegation ------------------------------------------------------------------
 
     def report(self) -> CompileReport:
+        self._check_observed_buckets()
         return self._log.snapshot(mode=self._mode if self._ddp is not None else "none", backend=self._config.backend_name)
+
+    def _check_observed_buckets(self) -> None:
+        """With an `OverlapRecorder` attached, compare our pieces with the buckets DDP really reduced."""
+        from ddp.overlap import OverlapRecorder, check_alignment
+
+        if self._ddp is None or not self._split_graphs:
+            return
+        recorders = [getattr(h, "__self__", None) for h, _ in self._ddp._comm_hooks]
+        recorder = next((r for r in recorders if isinstance(r, OverlapRecorder)), None)
+        steps = recorder.steps() if recorder is not None else []
+        if not steps:
+            return
+        names = {id(p): n for n, p in self._inner.named_parameters()}
+        planned = [[names[id(p)] for p in b] for b in self._planned_buckets()]
+        result = check_alignment(planned, steps[-1].bucket_names())
+        with self._log.lock:
+            self._log.observed_alignment = {"step": len(steps), **result.to_dict(), "text": str(result)}
 
     @property
     def module(self) -> torch.nn.Module:

@@ -37,6 +37,7 @@ class CompileLog:
         self.pairs: list[GraphPair] = []
         self.notes: list[str] = []
         self.alignment: dict = {"status": "pending"}
+        self.observed_alignment: dict | None = None
         self.compile_seconds = 0.0
 
     def snapshot(self, *, mode: str, backend: str) -> "CompileReport":
@@ -51,6 +52,7 @@ class CompileLog:
                 pairs=list(self.pairs),
                 notes=list(self.notes),
                 alignment=dict(self.alignment),
+                observed_alignment=None if self.observed_alignment is None else dict(self.observed_alignment),
                 compile_seconds=self.compile_seconds,
             )
 
@@ -69,6 +71,8 @@ class CompileReport:
     notes: list[str]
     alignment: dict
     compile_seconds: float
+    observed_alignment: dict | None = None
+    """Planned pieces vs the buckets an attached `ddp.overlap.OverlapRecorder` saw DDP reduce."""
 
     @property
     def pieces(self) -> int:
@@ -88,6 +92,7 @@ class CompileReport:
             "fallbacks": [dict(x) for x in self.fallbacks],
             "pairs": [p.to_dict() for p in self.pairs],
             "alignment": dict(self.alignment),
+            "observed_alignment": self.observed_alignment,
             "notes": list(self.notes),
             "compile_seconds": round(self.compile_seconds, 4),
         }
@@ -104,6 +109,8 @@ class CompileReport:
                 out.append(f"    bucket {i:>2}  {b['bytes'] / MiB:9.3f} MiB  {names}")
         align = self.alignment
         out.append(f"  DDP bucket alignment: {align.get('status')}" + (f" ({align['detail']})" if align.get("detail") else ""))
+        if self.observed_alignment is not None:
+            out.extend(f"  {line}" for line in self.observed_alignment["text"].splitlines())
         sections = (
             ("graph breaks", self.graph_breaks, lambda x: f"{x['where']}: {x['reason']}"),
             ("recompiles", self.recompiles, lambda x: x["reason"]),

@@ -335,3 +335,31 @@ def test_each_recompile_is_counted_once():
     compiled, report = run_against_eager(SeqModel, x, steps=3, backend="aot_eager")
     assert len(report["graphs"]) == 3
     assert len(report["recompiles"]) == 2, report["recompiles"]
+
+
+def train_with_recorder(ddp_kwargs, steps=3, **compile_kwargs):
+    from ddp.overlap import OverlapRecorder
+
+    torch.manual_seed(0)
+    model = DDP(mlp(), **ddp_kwargs)
+    OverlapRecorder.attach(model)
+    compiled = compile_core.compile(model, backend="aot_eager", **compile_kwargs)
+    for step in range(steps):
+        compiled(x256(step)).square().mean().backward()
+    return compiled.report()
+
+
+def test_report_confirms_pieces_against_the_buckets_ddp_really_reduced():
+    report = train_with_recorder({}, bucket_cap_mb=0.25)
+    observed = report.to_dict()["observed_alignment"]
+    assert observed["ok"] and len(observed["buckets"]) == 3
+    assert "3/3 observed bucket boundaries" in str(report) and "WARNING" not in str(report)
+
+
+def test_report_warns_when_ddp_buckets_cut_through_a_piece():
+    # static_graph keeps DDP's own rebuilt buckets (0.3 MiB), which end inside our 0.25 MiB pieces
+    report = train_with_recorder({"static_graph": True, "bucket_cap_mb": 0.3}, bucket_cap_mb=0.25)
+    observed = report.to_dict()["observed_alignment"]
+    assert not observed["ok"]
+    assert observed["mismatched_params"]
+    assert "WARNING: bucket" in str(report)

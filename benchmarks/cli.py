@@ -1,0 +1,160 @@
+"""`python -m benchmarks`: side-by-side DDP + compile benchmark (see BENCHMARKS.md for the last full run)."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from benchmarks.config import MODES, TINY_SHAPE, BenchConfig, Workload, full_workloads
+from benchmarks.report import aggregate, all_tables, benchmarks_md, plot_step_ms, write_json
+from benchmarks.runner import REPO_ROOT
+from benchmarks.suite import run_suite
+
+PRESETS = {
+    # (rounds, warmup, steps); quick and smoke also shrink the model (TINY_SHAPE)
+    "full": (2, 3, 10),
+    "quick": (1, 2, 10),
+    "smoke": (1, 1, 1),
+}
+
+
+def _batch(text: str) -> tuple[int, int]:
+    try:
+        b, t = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"batch {text!r}: write it as BATCHxSEQ, e.g. 8x128") from None
+    return b, t
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true",
+                        help="tiny model, 1 round, one job per mode with the overlap recorder inside: "
+                             "under 5 minutes on 2 cores")
+    preset.add_argument("--smoke", action="store_true",
+                        help="tiny model, 2 steps, every mode, one job per mode, no timing claims (CI)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
+    p.add_argument("--workloads", default=None,
+                   help="comma list from compute,comm (default both; --quick: comm only, to stay under 5 min)")
+    p.add_argument("--backend", default=None, help="inductor (default), aot_eager (smoke default) or eager")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per job (first one compiles)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per job")
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--compute-batch", type=_batch, default=None, help="per-rank BATCHxSEQ (default 8x128)")
+    p.add_argument("--comm-batch", type=_batch, default=None, help="per-rank BATCHxSEQ (default 2x64)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket cap (default: DDP's 25)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=None, help="seconds per job before its ranks are killed")
+    p.add_argument("--no-cold-warm", action="store_true", help="one job per compiled mode per round")
+    p.add_argument("--no-scaling", action="store_true", help="skip the 1-rank jobs")
+    p.add_argument("--no-overlap", action="store_true", help="skip the overlap-recorder jobs")
+    p.add_argument("--loss-rtol", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=None, help="default bench_out/<preset>")
+    p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="run nothing: rebuild table, chart, JSON and report from an earlier results.json")
+    p.add_argument("--markdown", type=Path, default=None,
+                   help="report path (default: BENCHMARKS.md in the repo for full runs, OUT_DIR/BENCHMARKS.md otherwise)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
+    preset = "smoke" if args.smoke else "quick" if args.quick else "full"
+    rounds, warmup, steps = PRESETS[preset]
+    tiny = preset != "full"
+    shape = dict(
+        d_model=args.d_model or (TINY_SHAPE["d_model"] if tiny else 384),
+        n_layers=args.layers or (TINY_SHAPE["n_layers"] if tiny else 6),
+        n_heads=args.heads or (TINY_SHAPE["n_heads"] if tiny else 6),
+        vocab_size=args.vocab or (TINY_SHAPE["vocab_size"] if tiny else 4096),
+    )
+    all_workloads = full_workloads(
+        **shape,
+        compute_batch=args.compute_batch or ((4, 64) if tiny else (8, 128)),
+        comm_batch=args.comm_batch or ((1, 32) if tiny else (2, 64)),
+    )
+    workloads = args.workloads or ("comm" if preset == "quick" else "compute,comm")
+    wanted = [w.strip() for w in workloads.split(",") if w.strip()]
+    unknown = [w for w in wanted if w not in {wl.name for wl in all_workloads}]
+    if unknown:
+        raise ValueError(f"--workloads {workloads!r}: unknown {unknown}; use compute, comm or both")
+    out_dir = args.out_dir or (REPO_ROOT / "bench_out" / preset)
+    markdown = args.markdown or (REPO_ROOT / "BENCHMARKS.md" if preset == "full" else out_dir / "BENCHMARKS.md")
+    return BenchConfig(
+        workloads=tuple(w for w in all_workloads if w.name in wanted),
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        rounds=args.rounds or rounds,
+        warmup=args.warmup or warmup,
+        steps=args.steps or steps,
+        backend=args.backend or ("aot_eager" if preset == "smoke" else "inductor"),
+        world_size=args.world_size,
+        # the tiny model (~3.7 MB) fits in one default bucket: a 1 MiB cap gives the overlap recorder
+        # several buckets. Not lower: DDPOptimizer asserts when the cap is under DDP's 1 MiB first bucket.
+        bucket_cap_mb=args.bucket_cap_mb if args.bucket_cap_mb is not None else (1.0 if tiny else None),
+        seed=args.seed,
+        loss_rtol=args.loss_rtol,
+        # quick and smoke trade rigour for time: one (cold-cache) job per mode, recorder inside it, no
+        # 1-rank jobs. The full preset keeps every job kind.
+        cold_warm=not args.no_cold_warm and preset == "full",
+        scaling=not args.no_scaling and preset == "full",
+        overlap=not args.no_overlap,
+        overlap_in_main_job=preset != "full" and not args.no_overlap,
+        timeout_s=args.timeout or (300.0 if tiny else 1200.0),
+        out_dir=out_dir.resolve(),
+        markdown=markdown.resolve(),
+        preset=preset,
+        command=command,
+    )
+
+
+def config_from_json(data: dict, *, markdown: Path | None) -> BenchConfig:
+    """The BenchConfig an earlier run recorded in its results.json."""
+    raw = dict(data["config"])
+    raw["workloads"] = tuple(Workload(**w) for w in raw["workloads"])
+    raw["modes"] = tuple(raw["modes"])
+    raw["out_dir"] = Path(raw["out_dir"])
+    raw["markdown"] = markdown or (Path(raw["markdown"]) if raw.get("markdown") else None)
+    return BenchConfig(**raw)
+
+
+def _publish(cfg: BenchConfig, jobs: list[dict]) -> None:
+    result = aggregate(cfg, jobs)
+    json_path = write_json(result, cfg.out_dir / "results.json")
+    chart = plot_step_ms(result, cfg.out_dir / "step_ms.png")
+    print()
+    print(all_tables(result, timing_claims=cfg.preset != "smoke"))
+    print(f"\nJSON: {json_path}\nchart: {chart}")
+    if cfg.markdown is not None:
+        cfg.markdown.parent.mkdir(parents=True, exist_ok=True)
+        cfg.markdown.write_text(benchmarks_md(result, chart=chart, json_path=json_path, md_path=cfg.markdown))
+        print(f"report: {cfg.markdown}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.render is not None:
+        if not args.render.is_file():
+            print(f"error: --render {args.render}: no such results.json; pass the file a run wrote", file=sys.stderr)
+            return 2
+        data = json.loads(args.render.read_text())
+        _publish(config_from_json(data, markdown=args.markdown), data["jobs"])
+        return 0
+    try:
+        cfg = config_from_args(args, command="python -m benchmarks " + shlex.join(argv))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"benchmark ({cfg.preset}): {len(cfg.workloads)} workload(s) x {len(cfg.modes)} modes x "
+          f"{cfg.rounds} round(s), backend {cfg.backend}; output in {cfg.out_dir}", flush=True)
+    jobs = run_suite(cfg, log=lambda line: print(line, flush=True))
+    _publish(cfg, jobs)
+    return 0

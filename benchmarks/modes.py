@@ -1,0 +1,194 @@
+"""How each benchmark mode builds its training step (runs inside a rank process).
+
+Every builder gets the same DDP model and optimizer and returns a `Step`: `step(x, y)` runs forward, loss,
+backward, optimizer step and zero_grad, and returns the loss (detached). `info()` reports what the mode
+could tell about itself (graph pieces, the compile report, planned buckets).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Any, Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from examples.gpt import lm_loss
+
+
+class ModeUnavailable(RuntimeError):
+    """The mode cannot run in this tree (e.g. compile_core.train_step does not exist yet)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Step:
+    """A built training step."""
+
+    run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """step(x, y) -> detached loss; does forward, backward, optimizer step, zero_grad."""
+    info: Callable[[], dict[str, Any]] = dict
+    """Mode-specific facts, JSON-ready (pieces, compile report, planned buckets)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModeContext:
+    """What a builder needs."""
+
+    ddp: DDP
+    """The DDP-wrapped model (already constructed with the mode's DDP settings)."""
+    optimizer: torch.optim.Optimizer
+    """SGD over the model's parameters."""
+    backend: str
+    """Compiler backend name."""
+    mark_backward: Callable[[], None]
+    """Called right before loss.backward() (the overlap recorder's backward-start mark; a no-op otherwise)."""
+
+
+def configure_dynamo(mode: str) -> None:
+    """Global Dynamo settings a mode needs; must run BEFORE DDP is constructed (DDP reads them in __init__)."""
+    import torch._dynamo
+
+    if mode == "torch_nosplit":
+        torch._dynamo.config.optimize_ddp = False
+    elif mode == "torch_python_reducer":
+        torch._dynamo.config.optimize_ddp = "python_reducer"
+        # torch 2.13 recommends the config flag over compiled_autograd._enable(): backward calls made
+        # inside a torch.compile'd function are then traced by compiled autograd.
+        torch._dynamo.config.compiled_autograd = True
+    else:
+        torch._dynamo.config.optimize_ddp = True
+
+
+class _PieceCounter(logging.Handler):
+    """Reads DDPOptimizer's "created N buckets" INFO line: one per graph it split."""
+
+    PATTERN = re.compile(r"DDPOptimizer used bucket cap (\d+) and created (\d+) buckets")
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.pieces: list[int] = []
+        self.cap_bytes: int | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = self.PATTERN.search(record.getMessage())
+        if match:
+            self.cap_bytes = int(match.group(1))
+            self.pieces.append(int(match.group(2)))
+
+    def install(self) -> "_PieceCounter":
+        logger = logging.getLogger("torch._dynamo.backends.distributed")
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        return self
+
+
+def _eager_optimizer_step(ctx: ModeContext, forward: Callable[[torch.Tensor], torch.Tensor]):
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(forward(x), y)
+        ctx.mark_backward()
+        loss.backward()
+        ctx.optimizer.step()
+        ctx.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return run
+
+
+def build_eager(ctx: ModeContext) -> Step:
+    return Step(run=_eager_optimizer_step(ctx, ctx.ddp))
+
+
+def _build_torch_compile(ctx: ModeContext) -> Step:
+    counter = _PieceCounter().install()
+    compiled = torch.compile(ctx.ddp, backend=ctx.backend)
+    return Step(
+        run=_eager_optimizer_step(ctx, compiled),
+        info=lambda: {"pieces_per_graph": counter.pieces, "pieces": sum(counter.pieces) or None,
+                      "ddpopt_cap_bytes": counter.cap_bytes},
+    )
+
+
+def build_torch_ddpopt(ctx: ModeContext) -> Step:
+    return _build_torch_compile(ctx)
+
+
+def build_torch_nosplit(ctx: ModeContext) -> Step:
+    step = _build_torch_compile(ctx)
+    return Step(run=step.run, info=lambda: {"pieces": 1})
+
+
+def build_torch_python_reducer(ctx: ModeContext) -> Step:
+    ddp = ctx.ddp
+
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(ddp(x), y)
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(forward_backward, backend=ctx.backend)
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = compiled(x, y)
+        ctx.optimizer.step()
+        ctx.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return Step(run=run, info=lambda: {"note": "python reducer: DDP comm hooks are bypassed"})
+
+
+def _compile_core():
+    try:
+        import compile_core
+    except ImportError as err:
+        raise ModeUnavailable(f"compile_core cannot be imported: {err}") from err
+    return compile_core
+
+
+def _report_info(obj: Any) -> dict[str, Any]:
+    """Pieces and planned buckets from a compile_core report, tolerant of a partial report."""
+    report = getattr(obj, "report", None)
+    if report is None:
+        return {"note": "no .report() on the compiled object"}
+    data = report().to_dict()
+    graphs = data.get("graphs", [])
+    # graphs run forward in list order, so their backward runs in reverse: the planned buckets of the
+    # last graph come first in DDP's (backward) order.
+    planned = [list(b["params"]) for g in reversed(graphs) for b in g.get("buckets", [])]
+    return {
+        "pieces": sum(int(g.get("pieces", 0)) for g in graphs) or None,
+        "pieces_per_graph": [g.get("pieces") for g in graphs],
+        "planned_buckets": planned,
+        "graph_breaks": len(data.get("graph_breaks", [])),
+        "recompiles": len(data.get("recompiles", [])),
+        "fallbacks": data.get("fallbacks", []),
+        "compile_seconds": data.get("compile_seconds"),
+        "report_text": str(report()),
+    }
+
+
+def build_ours_compile(ctx: ModeContext) -> Step:
+    cc = _compile_core()
+    if not hasattr(cc, "compile"):
+        raise ModeUnavailable("compile_core.compile does not exist in this tree yet")
+    compiled = cc.compile(ctx.ddp, backend=ctx.backend)
+    return Step(run=_eager_optimizer_step(ctx, compiled), info=lambda: _report_info(compiled))
+
+
+def build_ours_step(ctx: ModeContext) -> Step:
+    cc = _compile_core()
+    if not hasattr(cc, "train_step"):
+        raise ModeUnavailable("compile_core.train_step does not exist in this tree yet")
+    step = cc.train_step(ctx.ddp, ctx.optimizer, lm_loss, backend=ctx.backend)
+    # the backward runs inside the step, so the recorder falls back to the first bucket's ready time
+    return Step(run=lambda x, y: step(x, y).detach(), info=lambda: _report_info(step))
+
+
+BUILDERS: dict[str, Callable[[ModeContext], Step]] = {
+    "eager": build_eager,
+    "torch_ddpopt": build_torch_ddpopt,
+    "torch_nosplit": build_torch_nosplit,
+    "torch_python_reducer": build_torch_python_reducer,
+    "ours_compile": build_ours_compile,
+    "ours_step": build_ours_step,
+}

@@ -1,0 +1,150 @@
+"""Launch benchmark jobs: every job is a fresh set of rank processes (fresh Dynamo/Inductor state).
+
+Each rank runs `python -m benchmarks.worker` with one thread; a job has a wall-clock timeout, and when one
+rank fails or hangs the others are killed and the failure names the mode and the rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GRACE_S = 10.0
+"""How long the other ranks get to finish after one rank failed (they are usually stuck in a collective)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """One job: a mode on a workload with a number of ranks."""
+
+    job_id: str
+    """Unique name; also the job's folder under out_dir/jobs."""
+    kind: str
+    """cold (fresh Inductor cache), warm (reused cache), single (1 rank), overlap (recorder attached) or smoke."""
+    round: int
+    """1-based round number."""
+    mode: str
+    """Benchmark mode."""
+    workload: str
+    """Workload name."""
+    world_size: int
+    """Ranks in this job."""
+    cache_dir: str
+    """TORCHINDUCTOR_CACHE_DIR for every rank of the job."""
+    worker: dict[str, Any]
+    """Everything the worker reads (see benchmarks.worker.run)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(spec: JobSpec, rank: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TORCHINDUCTOR_CACHE_DIR=spec.cache_dir,
+        # one compile thread per rank: no worker pool competing with the other rank for the 2 cores
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+    )
+    return env
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a rank we started and whatever it spawned (it leads its own session)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=10)
+
+
+def _tail(path: Path, lines: int = 6) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_job(spec: JobSpec, jobs_dir: Path, *, timeout_s: float) -> dict[str, Any]:
+    """Run one job to completion; return the per-rank results plus a job-level status."""
+    job_dir = jobs_dir / spec.job_id
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = job_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec.worker, indent=1))
+    port = _free_port()
+    procs = []
+    for rank in range(spec.world_size):
+        with open(job_dir / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.worker", str(spec_path)],
+                cwd=REPO_ROOT, env=_rank_env(spec, rank, port), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            ))
+    started = time.monotonic()
+    deadline = started + timeout_s
+    failed_at: float | None = None
+    timed_out = False
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + GRACE_S):
+            timed_out = now > deadline
+            break
+        time.sleep(0.2)
+    for p in procs:
+        _kill_group(p)
+    return _collect(spec, job_dir, procs, timed_out=timed_out, timeout_s=timeout_s,
+                    wall_s=time.monotonic() - started)
+
+
+def _collect(spec: JobSpec, job_dir: Path, procs, *, timed_out: bool, timeout_s: float, wall_s: float):
+    ranks: list[dict[str, Any]] = []
+    errors: list[str] = []
+    unavailable = False
+    for rank, proc in enumerate(procs):
+        path = job_dir / f"rank{rank}.json"
+        if path.exists():
+            res = json.loads(path.read_text())
+        elif timed_out:
+            res = {"ok": False, "rank": rank, "error": f"timed out after {timeout_s:.0f}s"}
+        else:
+            res = {"ok": False, "rank": rank,
+                   "error": f"exited with code {proc.returncode} without a result; log tail: {_tail(job_dir / f'rank{rank}.log')}"}
+        ranks.append(res)
+        if not res.get("ok"):
+            unavailable = unavailable or bool(res.get("unavailable"))
+            errors.append(f"{spec.mode} rank {rank}: {res.get('error', 'unknown error')}")
+    return {
+        "job_id": spec.job_id,
+        "kind": spec.kind,
+        "round": spec.round,
+        "mode": spec.mode,
+        "workload": spec.workload,
+        "world_size": spec.world_size,
+        "ok": not errors,
+        "unavailable": unavailable,
+        "errors": errors,
+        "wall_s": wall_s,
+        "ranks": ranks,
+        "log_dir": str(job_dir),
+    }
