@@ -18,7 +18,7 @@ from examples.gpt import lm_loss
 
 
 class ModeUnavailable(RuntimeError):
-    """The mode cannot run in this tree (e.g. compile_core.train_step does not exist yet)."""
+    """Raised by a mode builder when the mode cannot run on this torch build or machine; the table says why."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -137,14 +137,6 @@ def build_torch_python_reducer(ctx: ModeContext) -> Step:
     return Step(run=run, info=lambda: {"note": "python reducer: DDP comm hooks are bypassed"})
 
 
-def _compile_core():
-    try:
-        import compile_core
-    except ImportError as err:
-        raise ModeUnavailable(f"compile_core cannot be imported: {err}") from err
-    return compile_core
-
-
 def _report_info(obj: Any) -> dict[str, Any]:
     """Pieces and planned buckets from a compile_core report, tolerant of a partial report."""
     report = getattr(obj, "report", None)
@@ -168,18 +160,16 @@ def _report_info(obj: Any) -> dict[str, Any]:
 
 
 def build_ours_compile(ctx: ModeContext) -> Step:
-    cc = _compile_core()
-    if not hasattr(cc, "compile"):
-        raise ModeUnavailable("compile_core.compile does not exist in this tree yet")
-    compiled = cc.compile(ctx.ddp, backend=ctx.backend)
+    import compile_core
+
+    compiled = compile_core.compile(ctx.ddp, backend=ctx.backend)
     return Step(run=_eager_optimizer_step(ctx, compiled), info=lambda: _report_info(compiled))
 
 
 def build_ours_step(ctx: ModeContext) -> Step:
-    cc = _compile_core()
-    if not hasattr(cc, "train_step"):
-        raise ModeUnavailable("compile_core.train_step does not exist in this tree yet")
-    step = cc.train_step(ctx.ddp, ctx.optimizer, lm_loss, backend=ctx.backend)
+    import compile_core
+
+    step = compile_core.train_step(ctx.ddp, ctx.optimizer, lm_loss, backend=ctx.backend)
     # the backward runs inside the step, so the recorder falls back to the first bucket's ready time
     return Step(run=lambda x, y: step(x, y).detach(), info=lambda: _report_info(step))
 

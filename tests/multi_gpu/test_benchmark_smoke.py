@@ -28,11 +28,8 @@ def test_smoke_benchmark_covers_every_mode_and_losses_agree(tmp_path):
     modes = result["workloads"]["comm"]["modes"]
     assert set(modes) == set(MODES)
     for mode, agg in modes.items():
-        assert agg["status"] in ("ok", "failed", "unavailable"), mode
-        if agg["status"] != "ok":
-            # a mode that cannot run must say which mode and rank failed, not vanish from the table
-            assert mode in agg["error"] and "rank" in agg["error"], agg["error"]
-            assert mode in proc.stdout
+        # every mode runs on torch 2.13 + gloo; a failure must name the mode and the rank
+        assert agg["status"] == "ok", f"{mode}: {agg.get('error')}"
     finished = {m: a["final_loss"] for m, a in modes.items() if a["status"] == "ok"}
     assert "eager" in finished, modes["eager"].get("error")
     agreement = result["workloads"]["comm"]["loss_agreement"]

@@ -231,18 +231,13 @@ def test_component_passes_torchx_validation():
 def test_component_is_registered_next_to_dist():
     from torchx.specs import finder
 
+    # The entry point comes with `pip install -e .` (the README's set-up), so it must be there.
     components = finder.get_components()
-    if "ddp_compile.trainer" not in components:
-        pytest.skip("the ddp-compile distribution is not installed (pip install -e .), so its torchx "
-                    "entry point is missing")
-    assert {"ddp_compile.trainer", "dist.ddp"} <= set(components)
+    assert {"ddp_compile.trainer", "dist.ddp"} <= set(components), sorted(components)
 
 
 @pytest.mark.timeout(300)
 def test_demo_job_runs_compiled(tmp_path):
-    compile_core = pytest.importorskip("compile_core", reason="compile_core (the compile stack) is not importable")
-    if not hasattr(compile_core, "compile"):
-        pytest.skip("compile_core.compile is not implemented in this checkout")
     marker = f"launchdemo_{uuid.uuid4().hex[:12]}"
     res = _run([sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(_free_port()),
                 "--log-dir", str(tmp_path / marker), "--env", f"LAUNCH_TEST_MARKER={marker}",
