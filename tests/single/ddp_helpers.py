@@ -1,0 +1,54 @@
+"""Shared by the single-process DDP tests: train compiled DDP and eager DDP side by side."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import compile_core
+
+
+def mlp(n: int = 3, width: int = 256) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(n):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def run_against_eager(make_model, make_input, *, steps=2, ddp_kwargs=None, ignore=(), rtol=1e-4, atol=1e-5, **compile_kwargs):
+    """Train `steps` SGD steps with compiled DDP and eager DDP from the same weights; compare everything."""
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    if ignore:
+        for m in (model, ref):
+            DDP._set_params_and_buffers_to_ignore_for_model(m, list(ignore))
+    ours = DDP(model, **(ddp_kwargs or {}))
+    theirs = DDP(ref, **(ddp_kwargs or {}))
+    compiled = compile_core.compile(ours, **compile_kwargs)
+    for step in range(steps):
+        x = make_input(step)
+        args = x if isinstance(x, tuple) else (x,)
+        out, expected = compiled(*args), theirs(*args)
+        torch.testing.assert_close(out, expected, rtol=rtol, atol=atol, msg=f"step {step} output")
+        out.float().square().mean().backward()
+        expected.float().square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            if p.grad is None and q.grad is None:
+                continue
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=f"step {step} grad {name}")
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+                    q -= 0.1 * q.grad
+                p.grad, q.grad = None, None
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=f"buffer {name}")
+    return compiled, compiled.report().to_dict()
+
+
+def x256(step: int) -> torch.Tensor:
+    return torch.randn(8, 256, generator=torch.Generator().manual_seed(step))

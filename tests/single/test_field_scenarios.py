@@ -1,0 +1,93 @@
+"""Cases PyTorch's own DDPOptimizer tests and user reports exercise: strides, layouts, unbacked sizes,
+parameters used through methods. World size 1 (gloo); compared with eager DDP."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.single.ddp_helpers import run_against_eager
+
+pytestmark = pytest.mark.usefixtures("pg")
+BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+
+
+class Transposed(nn.Module):
+    """Each piece hands a non-contiguous (transposed) tensor to the next one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.a(x).transpose(0, 1)
+        h = self.b(h.relu()).transpose(0, 1)
+        return self.c(h)
+
+
+class Convs(nn.Module):
+    """Convolutions, where Inductor may pick another memory layout for a piece's outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(8 if i else 3, 8, 3, padding=1) for i in range(4))
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = torch.relu(conv(x))
+        return x
+
+
+class MethodWeights(nn.Module):
+    """Parameters reached through `.t()` and `torch.mm`, not through nn.Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(32, 32) / 6)
+        self.w2 = nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x):
+        return torch.mm(torch.mm(x, self.w1.t()).relu(), self.w2.t())
+
+
+class UnbackedSize(nn.Module):
+    """A size read from data (`.item()`) in one piece and used in the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x, n):
+        k = n.item()
+        torch._check_is_size(k)
+        torch._check(k <= x.shape[0])
+        return self.b(self.a(x)[:k])
+
+
+def fixed(*tensors):
+    return lambda step: tensors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "make,inputs,pieces",
+    [
+        (Transposed, (torch.randn(4, 6, 64),), 3),
+        (Convs, (torch.randn(2, 3, 16, 16),), 4),
+        (MethodWeights, (torch.randn(4, 32),), 2),
+    ],
+    ids=["transposed", "convs", "method_weights"],
+)
+def test_pieces_pass_real_strides_and_layouts(make, inputs, pieces, backend):
+    _, report = run_against_eager(make, fixed(*inputs), backend=backend, bucket_cap_mb=0.0001)
+    assert [g["pieces"] for g in report["graphs"]] == [pieces]
+    assert report["fallbacks"] == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unbacked_size_crosses_a_piece_boundary(backend):
+    inputs = (torch.randn(6, 32), torch.tensor(4))
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        _, report = run_against_eager(UnbackedSize, lambda step: inputs, backend=backend, bucket_cap_mb=0.0001)
+    assert [g["pieces"] for g in report["graphs"]] == [2]
+    assert report["graph_breaks"] == [] and report["fallbacks"] == []
