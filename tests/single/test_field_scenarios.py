@@ -91,3 +91,70 @@ def test_unbacked_size_crosses_a_piece_boundary(backend):
         _, report = run_against_eager(UnbackedSize, lambda step: inputs, backend=backend, bucket_cap_mb=0.0001)
     assert [g["pieces"] for g in report["graphs"]] == [2]
     assert report["graph_breaks"] == [] and report["fallbacks"] == []
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.unused = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(self.a(x).relu())
+
+
+class MixedDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x).bfloat16()).float())
+
+
+class Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.a.requires_grad_(False)
+
+    def forward(self, x):
+        return self.b(self.a(x).relu())
+
+
+def x16(step: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+
+
+def test_unused_parameter_with_find_unused_parameters():
+    _, report = run_against_eager(
+        WithUnused, x16, steps=3, backend="aot_eager", bucket_cap_mb=0.0001, ddp_kwargs={"find_unused_parameters": True}
+    )
+    # the parameter no graph uses still gets a bucket of its own, so DDP never waits for it
+    assert report["alignment"]["buckets"][-1] == ["unused.bias", "unused.weight"]
+
+
+def test_buckets_never_mix_dtypes():
+    _, report = run_against_eager(MixedDtypes, x16, steps=3, backend="aot_eager", bucket_cap_mb=1, rtol=1e-2, atol=1e-2)
+    # one 25 MiB-style cap would hold all three layers; the bf16 layer forces cuts on both sides
+    assert [b["params"] for b in report["graphs"][0]["buckets"]] == [
+        ["c.weight", "c.bias"], ["b.weight", "b.bias"], ["a.weight", "a.bias"]
+    ]
+    assert report["alignment"]["status"] == "aligned"
+
+
+def test_frozen_parameters_are_not_bucketed():
+    _, report = run_against_eager(Frozen, x16, steps=2, backend="aot_eager", bucket_cap_mb=0.0001)
+    assert [b["params"] for b in report["graphs"][0]["buckets"]] == [["b.weight", "b.bias"]]
+
+
+def test_eval_after_training_keeps_the_aligned_buckets():
+    make = lambda: nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))  # noqa: E731
+    compiled, _ = run_against_eager(make, x16, steps=2, backend="aot_eager", bucket_cap_mb=0.0001)
+    compiled.eval()
+    with torch.no_grad():
+        out = compiled(x16(5))
+    report = compiled.report()
+    assert out.shape == (4, 16)
+    assert [g.pieces for g in report.graphs] == [2, 2]  # the no-grad graph, split the same way
+    assert report.notes == []
