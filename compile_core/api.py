@@ -70,6 +70,8 @@ class CompiledModel:
             )
         self._inner = inner
         self._mode = config.ddp or "split"
+        if self._ddp is None and self._mode == "torch":
+            raise ValueError("ddp='torch' compares against PyTorch's DDPOptimizer and needs a DDP model; use ddp='none'")
         self._log = CompileLog()
         self._calls = 0
         self._pending_guard_failures: list[dict] = []
@@ -77,12 +79,10 @@ class CompiledModel:
         self._aligned_buckets: list[frozenset[str]] | None = None
 
         cap, first = self._resolve_caps()
-        self._caps = (cap, first)
         names = {id(p): n for n, p in inner.named_parameters()}
         ignore = frozenset(getattr(self._ddp, "parameters_to_ignore", ()) or ())
-        if self._ddp is None and self._mode == "torch":
-            raise ValueError("ddp='torch' compares against PyTorch's DDPOptimizer and needs a DDP model; use ddp='none'")
         split = self._ddp is not None and self._mode == "split"
+        self._aligns = split
         if self._ddp is None:
             self._log.notes.append("not a DDP model: graphs are compiled whole")
         if self._mode == "torch":
@@ -99,6 +99,8 @@ class CompiledModel:
             backend, nopython=config.fullgraph, dynamic=config.dynamic, guard_fail_fn=self._on_guard_fail
         )(_entry_for(inner))
         inner._compiled_call_impl = self._run_inner
+        # Runs before DDP's own forward, however the model is called (through us or directly).
+        model.register_forward_pre_hook(self._before_forward)
         log.info(
             "compile_core: %s compiled with backend=%s ddp=%s cap=%.3g MiB first=%.3g MiB",
             type(inner).__name__, config.backend_name, self._mode, cap / MiB, first / MiB,
@@ -107,10 +109,13 @@ class CompiledModel:
     # ---- calling ---------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._model(*args, **kwargs)
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        # Between iterations, before DDP's pre-forward: the only safe moment to swap DDP's reducer.
         if self._aligned_buckets is None and self._split_graphs and torch.is_grad_enabled():
             self._align_ddp_buckets()
         self._calls += 1
-        return self._model(*args, **kwargs)
 
     def _run_inner(self, *args: Any, **kwargs: Any) -> Any:
         if self._mode == "torch":
@@ -209,7 +214,7 @@ class CompiledModel:
             self._log.graphs.append(
                 GraphEntry(name=graph.name, pieces=graph.pieces, buckets=buckets, seconds=0.0, step=self._calls)
             )
-        if graph.pieces > 1 or (self._ddp is not None and self._mode == "split"):
+        if self._aligns:
             self._split_graphs.append((self._calls, graph))
         if self._aligned_buckets is not None:
             self._check_late_graph(graph)

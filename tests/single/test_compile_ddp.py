@@ -260,6 +260,21 @@ def test_bad_input_is_rejected_before_compiling(kwargs, exc, match):
     assert getattr(model.module, "_compiled_call_impl", None) is None
 
 
+def test_torch_mode_needs_a_ddp_model():
+    with pytest.raises(ValueError, match="ddp='torch'.*needs a DDP model"):
+        compile_core.compile(mlp(1), ddp="torch")
+
+
+def test_calling_the_ddp_object_directly_still_aligns():
+    model = DDP(mlp())
+    compiled = compile_core.compile(model, backend="aot_eager", bucket_cap_mb=0.25)
+    for step in range(2):
+        model(x256(step)).sum().backward()  # the user keeps calling the DDP object
+    report = compiled.report()
+    assert report.alignment["status"] == "aligned"
+    assert [g.step for g in report.graphs] == [1]
+
+
 def test_model_that_is_not_a_module():
     with pytest.raises(TypeError, match="nn.Module"):
         compile_core.compile(lambda x: x)
