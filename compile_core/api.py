@@ -272,7 +272,7 @@ class CompiledModel:
             self._log.alignment = {"status": "skipped", "detail": blocker}
             log.warning("compile_core: DDP buckets left as DDP built them: %s", blocker)
             return
-        layout = rebuild_reducer(self._ddp, buckets)
+        layout, differing = rebuild_reducer(self._ddp, buckets)
         names = {id(p): n for n, p in self._inner.named_parameters()}
         params, _ = self._ddp._build_params_for_reducer()
         self._aligned_buckets = [frozenset(names[id(params[i])] for i in b) for b in layout]
@@ -281,6 +281,10 @@ class CompiledModel:
             "detail": f"DDP reducer uses our {len(layout)} bucket(s) from step {self._calls + 1}",
             "buckets": [sorted(b) for b in self._aligned_buckets],
         }
+        if differing:
+            # Correct on every rank (all reduce rank 0's buckets), but this rank's pieces may not match.
+            self._log.alignment["detail"] += f"; ranks {differing} planned differently and use rank 0's buckets"
+            self._log.notes.append(f"ranks {differing} compiled other pieces than rank 0 (see alignment)")
 
     def _check_late_graph(self, graph: SplitGraph) -> None:
         aligned = set(self._aligned_buckets or [])

@@ -56,11 +56,32 @@ def alignment_blocker(ddp: DistributedDataParallel, buckets: Sequence[Sequence[t
     return None
 
 
-def rebuild_reducer(ddp: DistributedDataParallel, buckets: Sequence[Sequence[torch.nn.Parameter]]) -> list[list[int]]:
+def agree_across_ranks(ddp: DistributedDataParallel, layout: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Every rank must reduce the same buckets: adopt rank 0's layout, as DDP does when it rebuilds.
+
+    Returns (the layout to use, the ranks whose own plan differed). On a gloo group a monitored barrier
+    first names any rank that never reaches this point, instead of hanging in the exchange.
+    """
+    group = ddp.process_group
+    world = dist.get_world_size(group)
+    if world == 1:
+        return layout, []
+    if dist.get_backend(group) == "gloo":
+        dist.monitored_barrier(group=group, wait_all_ranks=True)
+    layouts: list = [None] * world
+    dist.all_gather_object(layouts, layout, group=group)
+    differing = [rank for rank, other in enumerate(layouts) if other != layouts[0]]
+    return layouts[0], differing
+
+
+def rebuild_reducer(
+    ddp: DistributedDataParallel, buckets: Sequence[Sequence[torch.nn.Parameter]]
+) -> tuple[list[list[int]], list[int]]:
     """Replace `ddp.reducer` by one whose buckets are `buckets` (in backward order).
 
     Parameters DDP reduces but that no bucket names are appended as a last bucket. Returns the bucket
-    layout as lists of indices into DDP's parameter list. Call between iterations only.
+    layout used (lists of indices into DDP's parameter list; rank 0's where ranks disagree) and the ranks
+    whose plan differed from rank 0's. A collective: every rank calls it, between iterations only.
     """
     parameters, expect_sparse = ddp._build_params_for_reducer()
     index_of = {id(p): i for i, p in enumerate(parameters)}
@@ -77,6 +98,7 @@ def rebuild_reducer(ddp: DistributedDataParallel, buckets: Sequence[Sequence[tor
     for i in rest:
         by_key.setdefault((parameters[i].dtype, parameters[i].device), []).append(i)
     layout.extend(by_key.values())
+    layout, differing = agree_across_ranks(ddp, layout)
 
     def nbytes(indices: list[int]) -> int:
         return sum(parameters[i].numel() * parameters[i].element_size() for i in indices)
@@ -118,5 +140,7 @@ def rebuild_reducer(ddp: DistributedDataParallel, buckets: Sequence[Sequence[tor
         dist._register_comm_hook(reducer, state, hook)
     # Our buckets are final: mark DDP as rebuilt so that its own bookkeeping agrees.
     ddp._has_rebuilt_buckets = True
+    if differing:
+        log.warning("ddp: ranks %s planned other buckets than rank 0; every rank uses rank 0's", differing)
     log.info("ddp: reducer rebuilt with %d bucket(s) aligned to compiled pieces", len(layout))
-    return layout
+    return layout, differing

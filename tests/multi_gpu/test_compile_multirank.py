@@ -28,7 +28,7 @@ def record_buckets(ddp: DDP, sink: list) -> None:
     ddp.register_comm_hook(None, hook)
 
 
-def train_both(rank: int, world_size: int, backend: str, cap_mb: float):
+def train_both(rank: int, world_size: int, backend: str, cap_mb: float, our_cap_mb: tuple | None = None):
     import compile_core
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -38,7 +38,8 @@ def train_both(rank: int, world_size: int, backend: str, cap_mb: float):
     ours, theirs = DDP(model, bucket_cap_mb=cap_mb), DDP(ref, bucket_cap_mb=cap_mb)
     seen: list = []
     record_buckets(ours, seen)
-    compiled = compile_core.compile(ours, backend=backend)
+    override = None if our_cap_mb is None else our_cap_mb[rank]
+    compiled = compile_core.compile(ours, backend=backend, bucket_cap_mb=override)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     per_step = []
@@ -82,3 +83,14 @@ def test_two_ranks_match_eager_ddp_and_pieces_are_real_buckets(backend):
             assert [sorted(b) for b in real] == [sorted(b) for b in planned], (
                 f"rank {rank} step {step + 1}: DDP buckets {real} != pieces {planned}"
             )
+
+
+def test_ranks_that_plan_differently_all_reduce_rank0s_buckets():
+    """Per-rank caps make the ranks plan different pieces: all must still reduce the same buckets."""
+    results = run_ranks(train_both, "aot_eager", 0.05, (0.05, 0.02), world_size=2, timeout=280)
+    for rank, r in enumerate(results):
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, r["ref"][name], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")
+    assert results[0]["report"]["alignment"]["buckets"] == results[1]["report"]["alignment"]["buckets"]
+    assert "ranks [1] planned differently" in results[1]["report"]["alignment"]["detail"]
+    assert results[0]["ddp_buckets"][2] == results[1]["ddp_buckets"][2]
