@@ -18,6 +18,8 @@ module a new `Reducer` whose buckets are exactly our plan (explicit `bucket_indi
 per-bucket caps for a later rebuild (`bucket_bytes_cap_list`, new in torch 2.13) are our buckets'
 byte totals. Gradients of one piece become ready together, so a rebuild from the observed ready
 order cuts at the same places. Comm hooks the user registered on the old reducer are registered again.
+Every rank must reduce the same buckets: the ranks exchange their layouts first and all take rank 0's
+(DDP does the same when it rebuilds); a rank whose own plan differed is named in the report.
 
 Notes: we leave the reducer alone (and say why in the report) when DDP is in a mode the swap cannot
 preserve: the python reducer, mixed precision, delayed all-reduce params, or a bucket that mixes
