@@ -57,6 +57,15 @@ class CompileLog:
             )
 
 
+def _short_names(names: list[str], keep: int = 8) -> str:
+    """A bucket's parameter names for the table; long buckets show their ends (to_dict has them all)."""
+    if not names:
+        return "(no parameters)"
+    if len(names) <= keep:
+        return ", ".join(names)
+    return f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])} ({len(names)} params)"
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
     """A snapshot of one compiled model's compile history."""
@@ -105,8 +114,7 @@ class CompileReport:
         for g in self.graphs:
             out.append(f"  {g.name} (step {g.step}): {g.pieces} piece(s), {g.seconds:.2f}s")
             for i, b in enumerate(g.buckets):
-                names = ", ".join(b["params"]) or "(no parameters)"
-                out.append(f"    bucket {i:>2}  {b['bytes'] / MiB:9.3f} MiB  {names}")
+                out.append(f"    bucket {i:>2}  {b['bytes'] / MiB:9.3f} MiB  {_short_names(b['params'])}")
         align = self.alignment
         out.append(f"  DDP bucket alignment: {align.get('status')}" + (f" ({align['detail']})" if align.get("detail") else ""))
         if self.observed_alignment is not None:
