@@ -1,4 +1,4 @@
 """AOTAutograd pairing of forward and backward graphs (see pairing.py's Note). Knows nothing of DDP."""
-from aot.pairing import GraphPair, PairRecorder, aot_compile, nop_compiler, recording_compilers
+from aot.pairing import GraphPair, aot_compile, nop_compiler, recording_compilers
 
-__all__ = ["GraphPair", "PairRecorder", "aot_compile", "nop_compiler", "recording_compilers"]
+__all__ = ["GraphPair", "aot_compile", "nop_compiler", "recording_compilers"]

@@ -9,9 +9,9 @@ ops in the backward instead. The pair then runs as one `autograd.Function`.
 
 Algorithm: `aot_compile` runs AOTAutograd over a graph with the compilers it is given, wrapping them
 so that each forward graph and the backward graph that follows it are recorded as a `GraphPair`
-(forward graph, backward graph, number of saved tensors). `recording_compilers` does only the
-wrapping, for callers whose entry point runs AOTAutograd itself (Inductor's `compile_fx` runs it
-with Inductor's decompositions and the same min-cut partitioner).
+(forward graph, backward graph, number of saved tensors). Callers whose entry point runs AOTAutograd
+itself (Inductor's `compile_fx` runs it with Inductor's decompositions and the same min-cut
+partitioner) hand each graph it compiles to `GraphPair.record` instead.
 
 Notes: nothing here knows about DDP or buckets. A backward graph may be compiled lazily, at the first
 backward (AOTAutograd does so when the saved values include symbolic sizes): the pair is recorded at
@@ -22,7 +22,6 @@ Debugging: `GraphPair.describe()` prints both graphs' sizes; `pair.forward.print
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any, Callable
 
 import torch.fx as fx
@@ -42,6 +41,14 @@ class GraphPair:
     """Its backward graph; None for inference graphs or until compiled lazily."""
     num_saved: int = 0
     """Tensors (and sizes) the forward saves for the backward."""
+
+    def record(self, graph: fx.GraphModule, *, backward: bool) -> None:
+        """Note a graph AOTAutograd produced for this pair."""
+        if backward:
+            self.backward = graph
+            self.num_saved = _count_saved(graph)
+        else:
+            self.forward = graph
 
     def describe(self) -> str:
         def ops(g: fx.GraphModule | None) -> int:
@@ -64,33 +71,15 @@ def _count_saved(backward: fx.GraphModule) -> int:
     return sum(1 for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
 
 
-class PairRecorder:
-    """Collects GraphPairs; thread-safe because backward graphs may compile on autograd's thread."""
-
-    def __init__(self) -> None:
-        self.pairs: list[GraphPair] = []
-        self._lock = threading.Lock()
-
-    def open(self, name: str) -> GraphPair:
-        pair = GraphPair(name=name)
-        with self._lock:
-            self.pairs.append(pair)
-        return pair
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-
 def recording_compilers(pair: GraphPair, fw_compiler: Compiler, bw_compiler: Compiler) -> tuple[Compiler, Compiler]:
     """Wrap a forward and a backward compiler so that their graphs are recorded on `pair`."""
 
     def forward(gm: fx.GraphModule, example_inputs: list, *args: Any, **kwargs: Any) -> Any:
-        pair.forward = gm
+        pair.record(gm, backward=False)
         return fw_compiler(gm, example_inputs, *args, **kwargs)
 
     def backward(gm: fx.GraphModule, example_inputs: list, *args: Any, **kwargs: Any) -> Any:
-        pair.backward = gm
-        pair.num_saved = _count_saved(gm)
+        pair.record(gm, backward=True)
         return bw_compiler(gm, example_inputs, *args, **kwargs)
 
     return forward, backward

@@ -181,16 +181,10 @@ class CompiledModel:
         if backend == "aot_eager":
             compiled = aot_compile(gm, example_inputs, fw_compiler=nop_compiler, bw_compiler=nop_compiler, pair=pair)
         else:
-            def record(graph: fx.GraphModule, is_backward: bool) -> None:
-                if is_backward:
-                    pair.backward = graph
-                    pair.num_saved = sum(
-                        1 for n in graph.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")
-                    )
-                else:
-                    pair.forward = graph
-
-            compiled = inductor_compile(gm, example_inputs, settings=self._config.inductor_settings(), on_graph=record)
+            compiled = inductor_compile(
+                gm, example_inputs, settings=self._config.inductor_settings(),
+                on_graph=lambda graph, is_backward: pair.record(graph, backward=is_backward),
+            )
         with self._log.lock:
             self._log.pairs.append(pair)
         return compiled, True

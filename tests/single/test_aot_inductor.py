@@ -1,0 +1,72 @@
+"""`aot` and `inductor` on their own: no DDP, no process group."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from aot import GraphPair, aot_compile, nop_compiler
+from inductor import InductorSettings, inductor_compile
+
+
+def captured(module: nn.Module, x: torch.Tensor):
+    """The graph Dynamo captures for module(x), and the inputs Dynamo would hand a backend."""
+    seen = []
+
+    def keep(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.optimize(keep)(lambda t: module(t))(x)
+    return seen[0]
+
+
+def test_aot_pairs_forward_with_backward_and_counts_saved_tensors():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    gm, inputs = captured(model, x)
+    pair = GraphPair(name="g")
+    compiled = aot_compile(gm, inputs, fw_compiler=nop_compiler, bw_compiler=nop_compiler, pair=pair)
+    out = compiled(*inputs)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    expected = model(x)
+    torch.testing.assert_close(out, expected)
+    assert pair.forward is not None
+    grads = torch.autograd.grad(out.sum(), list(model.parameters()))
+    # outside Dynamo's tracing context AOTAutograd may compile the backward lazily, at first use
+    assert pair.backward is not None
+    assert pair.num_saved > 0  # tanh's output (or its input) must be kept for the backward
+    ref = torch.autograd.grad(expected.sum(), list(model.parameters()))
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r)
+    assert "forward" in pair.describe() and pair.to_dict()["backward_ops"] > 0
+
+
+@pytest.mark.inductor
+def test_inductor_compiles_forward_and_backward_and_reports_each_graph():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    gm, inputs = captured(model, x)
+    graphs = []
+    compiled = inductor_compile(gm, inputs, settings=InductorSettings(), on_graph=lambda g, bw: graphs.append(bw))
+    out = compiled(*inputs)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+    out.sum().backward()
+    assert graphs == [False, True]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"mode": "fastest"}, "mode='fastest'"), ({"options": {"not_an_option": 1}}, "not_an_option"), ({"options": [1]}, "dict")],
+)
+def test_inductor_settings_reject_bad_input(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        InductorSettings(**kwargs)
+
+
+def test_mode_and_options_become_config_patches():
+    patches = InductorSettings(mode="max-autotune-no-cudagraphs", options={"epilogue_fusion": False}).config_patches()
+    assert patches["max_autotune"] is True and patches["epilogue_fusion"] is False
