@@ -6,8 +6,7 @@
 
 Why it exists: it is the end-to-end check that the launcher, DDP and the compile core work together,
 and the thing a user copies. `--mode` picks the path:
-  * auto (default): train_step when compile_core provides it, else compile;
-  * train_step: `compile_core.train_step(ddp_model, opt, lm_loss, backend=..., ddp="split")` -
+  * train_step (default): `compile_core.train_step(ddp_model, opt, lm_loss, backend=..., ddp="split")` -
     compiled forward + loss + backward + compiled optimizer update;
   * compile: `compile_core.compile(ddp_model, backend=...)` with an eager optimizer;
   * eager: plain DDP, no compilation (the baseline, and a way to test the launcher alone).
@@ -36,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
 
 BACKEND_ENV = "DDP_COMPILE_BACKEND"
-MODES = ("auto", "train_step", "compile", "eager")
+MODES = ("train_step", "compile", "eager")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
@@ -58,8 +57,8 @@ class TrainConfig:
     """Vocabulary size of the synthetic tokens."""
     backend: str = "inductor"
     """torch.compile backend: inductor, aot_eager or eager (Dynamo only)."""
-    mode: str = "auto"
-    """auto (train_step if compile_core has it, else compile), train_step, compile or eager."""
+    mode: str = "train_step"
+    """train_step (everything compiled), compile (model compiled, eager optimizer) or eager."""
     lr: float = 3e-4
     """AdamW learning rate."""
 
@@ -105,35 +104,26 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimizer):
     """Returns (step(x, y) -> loss, report() -> str or None) for the chosen mode."""
-    if cfg.mode == "eager":
-        def eager_step(x, y):
-            loss = lm_loss(ddp_model(x), y)
+    def manual_step(forward):
+        # eager optimizer around a (compiled or eager) forward: the baseline a user writes by hand
+        def step(x, y):
+            loss = lm_loss(forward(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return loss.detach()
-        return eager_step, lambda: None
+        return step
+
+    if cfg.mode == "eager":
+        return manual_step(ddp_model), lambda: None
 
     import compile_core
 
-    mode = cfg.mode
-    if mode == "auto":
-        mode = "train_step" if hasattr(compile_core, "train_step") else "compile"
-    if mode == "train_step":
-        if not hasattr(compile_core, "train_step"):
-            raise SystemExit("compile_core.train_step is not available in this checkout; use --mode compile or --mode eager")
+    if cfg.mode == "train_step":
         step = compile_core.train_step(ddp_model, optimizer, lm_loss, backend=cfg.backend, ddp="split")
         return step, lambda: str(step.report())
-
     compiled = compile_core.compile(ddp_model, backend=cfg.backend, ddp="split")
-
-    def compiled_step(x, y):
-        loss = lm_loss(compiled(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-    return compiled_step, lambda: str(compiled.report())
+    return manual_step(compiled), lambda: str(compiled.report())
 
 
 def main(argv: list[str] | None = None) -> None:
