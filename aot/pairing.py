@@ -100,10 +100,11 @@ def aot_compile(
     The partitioner defaults to min-cut rematerialization.
     """
     from functorch.compile import min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
+
+    from aot.torch_dynamo import aot_autograd_backend
 
     forward, backward = recording_compilers(pair, fw_compiler, bw_compiler)
-    backend = aot_autograd(
+    backend = aot_autograd_backend(
         fw_compiler=forward,
         bw_compiler=backward,
         partition_fn=partition_fn or min_cut_rematerialization_partition,

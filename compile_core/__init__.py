@@ -1,6 +1,6 @@
 """Public API: `compile` (a DDP model through bucket-aligned pieces) and `train_step`.
 
-See DESIGN.md for the contract; `CompiledModel.report()` returns a `CompileReport`.
+See docs/design.md for the contract; `CompiledModel.report()` returns a `CompileReport`.
 The train step lives in `compile_core.step` (a module name the `train_step` function cannot shadow).
 """
 from compile_core.api import CompiledModel, compile

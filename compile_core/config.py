@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, Callable, Mapping
 
+from ddp.bucketing import MiB, caps_from_mb
 from inductor import InductorSettings
+
+DDP_DEFAULT_CAP_BYTES = 25 * MiB
+"""DDP's own default `bucket_cap_mb` (25 MiB), for models that are not DDP."""
+_UNKNOWN_CAP = 1 << 62
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 """Backends by name; each adds one layer: eager = Dynamo only, aot_eager = + AOTAutograd, inductor = + codegen."""
@@ -13,15 +17,6 @@ DDP_MODES = ("split", "none", "torch")
 """split: bucket-aligned pieces; none: one graph, all-reduce after backward; torch: PyTorch's DDPOptimizer."""
 FALLBACK_CHAIN = {"inductor": ("inductor", "aot_eager", "eager"), "aot_eager": ("aot_eager", "eager"), "eager": ("eager",)}
 """What a piece falls back to when its backend fails to compile it."""
-
-
-def _check_cap(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}={value!r} must be a number of MiB (e.g. 25 or 0.5), or None for DDP's value")
-    if not value > 0:
-        raise ValueError(f"{name}={value!r} must be > 0 MiB (e.g. 25 or 0.5), or None for DDP's value")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,17 +50,9 @@ class CompileConfig:
             raise TypeError(f"backend must be a name from {BACKENDS} or a callable, got {type(self.backend).__name__}")
         if self.ddp is not None and self.ddp not in DDP_MODES:
             raise ValueError(f"ddp={self.ddp!r} is unknown; use one of {DDP_MODES}")
-        _check_cap("bucket_cap_mb", self.bucket_cap_mb)
-        _check_cap("first_bucket_cap_mb", self.first_bucket_cap_mb)
-        if (
-            self.bucket_cap_mb is not None
-            and self.first_bucket_cap_mb is not None
-            and self.first_bucket_cap_mb > self.bucket_cap_mb
-        ):
-            raise ValueError(
-                f"first_bucket_cap_mb={self.first_bucket_cap_mb} is larger than bucket_cap_mb={self.bucket_cap_mb}; "
-                "the first bucket may only be smaller: lower first_bucket_cap_mb or raise bucket_cap_mb"
-            )
+        # Types, signs and first <= cap when both are given; the DDP object's cap is not known yet,
+        # so the first cap is checked against it again in `caps()`.
+        caps_from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, default_cap_bytes=_UNKNOWN_CAP)
         if not isinstance(self.fullgraph, bool):
             raise TypeError(f"fullgraph={self.fullgraph!r} must be True or False")
         if self.dynamic not in (None, True, False):
@@ -77,6 +64,11 @@ class CompileConfig:
             )
         # Validates mode/options names now rather than at the first compile.
         self.inductor_settings()
+
+    def caps(self, ddp_cap_bytes: int | None) -> tuple[int, int]:
+        """(bucket cap, first-bucket cap) in bytes; unset caps come from the DDP object (`ddp_cap_bytes`)."""
+        default = DDP_DEFAULT_CAP_BYTES if ddp_cap_bytes is None else ddp_cap_bytes
+        return caps_from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, default_cap_bytes=default)
 
     def inductor_settings(self) -> InductorSettings:
         return InductorSettings(mode=self.mode, options=self.options, dynamic=self.dynamic)

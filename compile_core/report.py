@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 from aot import GraphPair
+from compile_core.events import CompileEvents
 from ddp.bucketing import MiB
 
 
@@ -26,34 +27,36 @@ class GraphEntry:
 
 
 class CompileLog:
-    """Mutable record filled while compiling; `snapshot()` turns it into a `CompileReport`."""
+    """What the compile path fills in while compiling (graphs, fallbacks, pairs, notes).
+
+    Timing, graph breaks and recompiles live in `CompileEvents`; the reducer swap's state lives in
+    `ddp.alignment.ReducerAlignment`; `snapshot()` joins all three into a `CompileReport`.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.graphs: list[GraphEntry] = []
-        self.graph_breaks: list[dict] = []
-        self.recompiles: list[dict] = []
         self.fallbacks: list[dict] = []
         self.pairs: list[GraphPair] = []
         self.notes: list[str] = []
-        self.alignment: dict = {"status": "pending"}
-        self.observed_alignment: dict | None = None
-        self.compile_seconds = 0.0
 
-    def snapshot(self, *, mode: str, backend: str) -> "CompileReport":
-        with self.lock:
+    def snapshot(
+        self, *, mode: str, backend: str, events: CompileEvents, alignment: dict, observed_alignment: dict | None,
+        notes: list[str] = (),
+    ) -> "CompileReport":
+        with self.lock, events.lock:
             return CompileReport(
                 mode=mode,
                 backend=backend,
-                graphs=list(self.graphs),
-                graph_breaks=[dict(x) for x in self.graph_breaks],
-                recompiles=[dict(x) for x in self.recompiles],
+                graphs=[dataclasses.replace(g) for g in self.graphs],
+                graph_breaks=[dict(x) for x in events.graph_breaks],
+                recompiles=[dict(x) for x in events.recompiles],
                 fallbacks=[dict(x) for x in self.fallbacks],
                 pairs=list(self.pairs),
-                notes=list(self.notes),
-                alignment=dict(self.alignment),
-                observed_alignment=None if self.observed_alignment is None else dict(self.observed_alignment),
-                compile_seconds=self.compile_seconds,
+                notes=list(self.notes) + list(notes),
+                alignment=dict(alignment),
+                observed_alignment=observed_alignment,
+                compile_seconds=events.compile_seconds,
             )
 
 

@@ -26,31 +26,35 @@ preserve: the python reducer, mixed precision, delayed all-reduce params, or a b
 dtypes or devices. Parameters that no graph touched (used eagerly between graph breaks, or unused)
 go to one trailing bucket so that every parameter is still reduced.
 
-Debugging: `CompiledModel.report()` lists planned buckets; tests record DDP's real buckets through a
-comm hook and compare.
+Debugging: `CompiledModel.report()` lists planned buckets and this alignment's state; with a
+`ddp.overlap.OverlapRecorder` attached it also compares them with the buckets DDP really reduced.
+Tests record DDP's real buckets through a comm hook and compare.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp import torch_ddp
+from ddp.splitter import SplitGraph
+
 log = logging.getLogger(__name__)
+
+STATUSES = ("pending", "aligned", "skipped", "not applicable", "not ours")
+"""pending: nothing swapped yet; aligned: DDP reduces our buckets; skipped: DDP kept its own (why in
+`detail`); not applicable: no split (ddp='none' or no DDP); not ours: ddp='torch' (PyTorch buckets)."""
 
 
 def alignment_blocker(ddp: DistributedDataParallel, buckets: Sequence[Sequence[torch.nn.Parameter]]) -> str | None:
     """Why the reducer of `ddp` cannot be rebuilt to `buckets` (None when it can)."""
-    if getattr(ddp, "_use_python_reducer", False):
-        return "DDP uses the python reducer"
-    if getattr(ddp, "mixed_precision", None) is not None:
-        return "DDP mixed_precision is set"
-    if getattr(ddp, "_delay_all_reduce_params", None):
-        return "DDP has delayed all-reduce parameters"
-    if getattr(ddp, "static_graph", False):
-        return "DDP static_graph=True keeps its own bucket order"
+    blocker = torch_ddp.reducer_swap_blocker(ddp)
+    if blocker is not None:
+        return blocker
     for i, bucket in enumerate(buckets):
         keys = {(p.dtype, p.device) for p in bucket}
         if len(keys) > 1:
@@ -85,7 +89,7 @@ def rebuild_reducer(
     layout used (lists of indices into DDP's parameter list; rank 0's where ranks disagree) and the ranks
     whose plan differed from rank 0's. A collective: every rank calls it, between iterations only.
     """
-    parameters, expect_sparse = ddp._build_params_for_reducer()
+    parameters, expect_sparse = torch_ddp.reducer_params(ddp)
     index_of = {id(p): i for i, p in enumerate(parameters)}
     layout: list[list[int]] = []
     seen: set[int] = set()
@@ -101,48 +105,117 @@ def rebuild_reducer(
         by_key.setdefault((parameters[i].dtype, parameters[i].device), []).append(i)
     layout.extend(by_key.values())
     layout, differing = agree_across_ranks(ddp, layout)
-
-    def nbytes(indices: list[int]) -> int:
-        return sum(parameters[i].numel() * parameters[i].element_size() for i in indices)
-
-    caps = [max(1, nbytes(b)) for b in layout]
-    config = ddp._bucket_config
-    reducer = dist.Reducer(
-        parameters,
-        layout,
-        caps,
-        ddp.process_group,
-        expect_sparse,
-        config.bucket_bytes_cap,
-        ddp.find_unused_parameters,
-        ddp.gradient_as_bucket_view,
-        ddp._build_debug_param_to_name_mapping(parameters),
-        config.first_bucket_bytes_cap,
-        getattr(ddp, "skip_all_reduce_unused_params", False),
-        False,
-        caps,
-        getattr(ddp, "batched_grad_copy", False),
-    )
-    logger = dist.Logger(reducer)
-    reducer.set_logger(logger)
-    has_sync_bn = any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())
-    logger.set_construction_data_and_log(
-        ddp.module.__class__.__name__,
-        [] if ddp.device_ids is None else ddp.device_ids,
-        -1 if ddp.output_device is None else ddp.output_device,
-        ddp.forward_sync_buffers,
-        has_sync_bn,
-        False,
-    )
-    ddp.reducer = reducer
-    ddp.logger = logger
-    # The new reducer has no hook yet: the ones registered on the old reducer must keep working.
-    for hook, state in ddp._comm_hooks:
-        logger._set_comm_hook_name(hook.__qualname__)
-        dist._register_comm_hook(reducer, state, hook)
-    # Our buckets are final: mark DDP as rebuilt so that its own bookkeeping agrees.
-    ddp._has_rebuilt_buckets = True
+    caps = [max(1, sum(parameters[i].numel() * parameters[i].element_size() for i in b)) for b in layout]
+    torch_ddp.install_reducer(ddp, parameters, expect_sparse, layout, caps)
     if differing:
         log.warning("ddp: ranks %s planned other buckets than rank 0; every rank uses rank 0's", differing)
     log.info("ddp: reducer rebuilt with %d bucket(s) aligned to compiled pieces", len(layout))
     return layout, differing
+
+
+def planned_buckets(graphs: Sequence[SplitGraph]) -> list[list[torch.nn.Parameter]]:
+    """Every bucket of `graphs` (compiled in one step, in forward order), in backward order.
+
+    Later graphs run their backward first. A parameter used by several graphs is ready after the
+    earliest of them, so it keeps only its last place in backward order.
+    """
+    buckets = [bucket for graph in reversed(graphs) for bucket in graph.params]
+    seen: set[int] = set()
+    deduped: list[list[torch.nn.Parameter]] = []
+    for bucket in reversed(buckets):
+        kept = [p for p in bucket if id(p) not in seen]
+        seen.update(id(p) for p in kept)
+        deduped.append(kept)
+    return [b for b in reversed(deduped) if b]
+
+
+@dataclasses.dataclass
+class ReducerAlignment:
+    """The reducer swap of one compiled DDP model, as an explicit state (see the Note above).
+
+    Graphs are recorded as the splitter compiles them; `before_forward` swaps the reducer once,
+    before the first forward that follows a compiling step.
+    """
+
+    ddp: DistributedDataParallel | None
+    """The DDP model whose reducer is swapped (None: not a DDP model)."""
+    names: dict[int, str]
+    """id(parameter) -> the user's name, for the report."""
+    status: str = "pending"
+    """One of `STATUSES`."""
+    detail: str = ""
+    """Why (for skipped) or what (for aligned), in words."""
+    buckets: list[frozenset[str]] = dataclasses.field(default_factory=list)
+    """The buckets DDP reduces since the swap (user names), in backward order."""
+    graphs: list[tuple[int, SplitGraph]] = dataclasses.field(default_factory=list)
+    """(step that compiled it, graph) for every split graph."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """Facts worth a line in the report (ranks that planned differently, late graphs)."""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status={self.status!r}: expected one of {STATUSES}")
+
+    def record(self, step: int, graph: SplitGraph) -> None:
+        """A graph was split; after the swap, a graph whose pieces are not DDP buckets gets a note."""
+        if self.status in ("not applicable", "not ours"):
+            return
+        self.graphs.append((step, graph))
+        if self.status != "aligned":
+            return
+        aligned = set(self.buckets)
+        stray = [list(b.params) for b in graph.plan.buckets if b.params and frozenset(b.params) not in aligned]
+        if stray:
+            self.notes.append(f"{graph.name} (compiled at step {step}) has pieces that are not DDP buckets: {stray}")
+
+    def before_forward(self, step: int) -> None:
+        """Swap once, before the first forward with grad that follows a compiling step."""
+        if self.status == "pending" and self.graphs and torch.is_grad_enabled():
+            self._align(step)
+
+    def first_step_graphs(self) -> list[SplitGraph]:
+        first = self.graphs[0][0]
+        return [g for step, g in self.graphs if step == first]
+
+    def planned_names(self) -> list[list[str]]:
+        """Planned buckets of the first compiling step, in backward order, as user names."""
+        return [[self.names[id(p)] for p in b] for b in planned_buckets(self.first_step_graphs())]
+
+    def _align(self, step: int) -> None:
+        buckets = planned_buckets(self.first_step_graphs())
+        blocker = alignment_blocker(self.ddp, buckets)
+        if blocker is not None:
+            self.status, self.detail = "skipped", blocker
+            log.warning("compile_core: DDP buckets left as DDP built them: %s", blocker)
+            return
+        layout, differing = rebuild_reducer(self.ddp, buckets)
+        params, _ = torch_ddp.reducer_params(self.ddp)
+        self.buckets = [frozenset(self.names[id(params[i])] for i in b) for b in layout]
+        self.status = "aligned"
+        self.detail = f"DDP reducer uses our {len(layout)} bucket(s) from step {step + 1}"
+        if differing:
+            # Correct on every rank (all reduce rank 0's buckets), but this rank's pieces may not match.
+            self.detail += f"; ranks {differing} planned differently and use rank 0's buckets"
+            self.notes.append(f"ranks {differing} compiled other pieces than rank 0 (see alignment)")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"status": self.status}
+        if self.detail:
+            out["detail"] = self.detail
+        if self.status == "aligned":
+            out["buckets"] = [sorted(b) for b in self.buckets]
+        return out
+
+    def observed(self) -> dict[str, Any] | None:
+        """Our planned buckets against the buckets an attached `OverlapRecorder` saw DDP reduce."""
+        from ddp.overlap import OverlapRecorder, check_alignment
+
+        if not self.graphs:
+            return None
+        hooks = [getattr(hook, "__self__", None) for hook, _ in torch_ddp.comm_hooks(self.ddp)]
+        recorder = next((r for r in hooks if isinstance(r, OverlapRecorder)), None)
+        steps = recorder.steps() if recorder is not None else []
+        if not steps:
+            return None
+        result = check_alignment(self.planned_names(), steps[-1].bucket_names())
+        return {"step": len(steps), **result.to_dict(), "text": str(result)}

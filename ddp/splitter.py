@@ -32,16 +32,18 @@ import dataclasses
 import logging
 import operator
 from typing import Any, Callable, Mapping
+from unittest import mock
 
 import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from ddp.bucketing import BucketPlan, ParamInfo, plan_buckets
+from aot.torch_dynamo import PieceMetadata, fake_mode_of, is_fake, saved_tensors_hooks_disabled
+from ddp.bucketing import BucketPlan, ParamInfo, plan_buckets, resolve_caps
 
 log = logging.getLogger(__name__)
 
-PieceCompiler = Callable[[fx.GraphModule, list, str], "tuple[Callable[..., Any], bool]"]
+CompilePiece = Callable[[fx.GraphModule, list, str], "tuple[Callable[..., Any], bool]"]
 """(piece graph, fake example inputs, piece name) -> (compiled callable, whether AOTAutograd ran)."""
 
 
@@ -61,11 +63,7 @@ class SplitterConfig:
     """False: plan (for the report) but compile every graph whole."""
 
     def __post_init__(self) -> None:
-        if self.bucket_cap_bytes <= 0 or self.first_bucket_cap_bytes <= 0:
-            raise ValueError(
-                f"SplitterConfig: caps must be > 0, got bucket_cap_bytes={self.bucket_cap_bytes}, "
-                f"first_bucket_cap_bytes={self.first_bucket_cap_bytes}"
-            )
+        resolve_caps(self.bucket_cap_bytes, self.first_bucket_cap_bytes)
 
 
 @dataclasses.dataclass
@@ -145,7 +143,7 @@ class DDPSplitter:
     def __init__(
         self,
         config: SplitterConfig,
-        compile_piece: PieceCompiler,
+        compile_piece: CompilePiece,
         on_graph: Callable[[SplitGraph], None] = lambda g: None,
     ) -> None:
         self.config = config
@@ -184,28 +182,24 @@ class DDPSplitter:
 class _PieceCompilingInterpreter(fx.Interpreter):
     """Runs the split graph on fake inputs, compiling each piece with the metadata it will really see."""
 
-    def __init__(self, split_gm: fx.GraphModule, compile_piece: PieceCompiler, graph_name: str) -> None:
+    def __init__(self, split_gm: fx.GraphModule, compile_piece: CompilePiece, graph_name: str) -> None:
         super().__init__(split_gm)
         self.compile_piece = compile_piece
         self.graph_name = graph_name
         self.fake_mode: Any = None
+        self.metadata: PieceMetadata | None = None
         self.pieces_done = 0
 
     def compile(self, example_inputs: list) -> None:
-        from torch._dynamo.backends.distributed import DDPOptimizerContext
-        from torch._dynamo.utils import detect_fake_mode
-
-        self.fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
-        tracing = torch._guards.TracingContext.try_get()
-        if tracing is not None:
-            tracing.ddp_optimizer_ctx = DDPOptimizerContext()
+        self.fake_mode = fake_mode_of(example_inputs)
+        self.metadata = PieceMetadata()
         fake_inputs = [self._fake(x) for x in example_inputs]
-        with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
+        with saved_tensors_hooks_disabled():
             self.run(*fake_inputs)
         self.module.recompile()
 
     def _fake(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor):
+        if isinstance(x, torch.Tensor) and not is_fake(x):
             return self.fake_mode.from_tensor(x)
         return x
 
@@ -221,14 +215,8 @@ class _PieceCompilingInterpreter(fx.Interpreter):
         piece_name = f"{self.graph_name}.piece_{self.pieces_done}"
         self.pieces_done += 1
 
-        tracing = torch._guards.TracingContext.try_get()
-        if tracing is not None:
-            tracing.fakify_first_call = True
-        try:
+        with self.metadata.fakify_first_call():
             compiled, used_aot = self.compile_piece(submod, list(args), piece_name)
-        finally:
-            if tracing is not None:
-                tracing.fakify_first_call = False
         wrapper = _Piece(compiled, single)
         self.module.delete_submodule(str(n.target))
         n.target = f"compiled_{n.target}"
@@ -236,13 +224,9 @@ class _PieceCompilingInterpreter(fx.Interpreter):
 
         # Outputs for the next piece: AOTAutograd returns fakes from its first call (with the strides
         # the compiled code produces) and records this piece's forward metadata.
-        from unittest import mock
-
         with self.fake_mode, mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
-            if used_aot and tracing is not None:
-                ctx = tracing.ddp_optimizer_ctx
-                ctx.curr_bucket += 1
-                ctx.metadata_per_bucket.append(tracing.fw_metadata)
+            if used_aot and self.metadata.active:
+                self.metadata.push_piece()
                 return wrapper(*args)
             out = submod(*args)
             return out[0] if single else out

@@ -13,6 +13,8 @@ from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
+from inductor.torch_inductor import compile_fx_with, mode_options, option_names
+
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """The modes `torch.compile` accepts."""
 
@@ -34,24 +36,17 @@ class InductorSettings:
         if self.options is not None:
             if not isinstance(self.options, Mapping):
                 raise TypeError(f"options must be a dict of Inductor config names, got {type(self.options).__name__}")
-            unknown = [k for k in self.options if not _is_inductor_option(k)]
+            known = option_names()
+            unknown = [k for k in self.options if k not in known]
             if unknown:
                 raise ValueError(
                     f"options {unknown} are not Inductor config names; see torch._inductor.list_options()"
                 )
 
     def config_patches(self) -> dict[str, Any]:
-        import torch._inductor
-
-        patches = dict(torch._inductor.list_mode_options(self.mode, self.dynamic)) if self.mode else {}
+        patches = mode_options(self.mode, self.dynamic) if self.mode else {}
         patches.update(self.options or {})
         return patches
-
-
-def _is_inductor_option(name: str) -> bool:
-    import torch._inductor
-
-    return name in set(torch._inductor.list_options())
 
 
 def inductor_compile(
@@ -62,11 +57,4 @@ def inductor_compile(
     on_graph: Callable[[fx.GraphModule, bool], None] = lambda gm, is_backward: None,
 ) -> Callable[..., Any]:
     """Compile `gm` with Inductor; `on_graph(graph, is_backward)` sees each graph Inductor compiles."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    def inner_compile(graph: fx.GraphModule, inputs: list, **kwargs: Any) -> Any:
-        on_graph(graph, bool(kwargs.get("is_backward", False)))
-        return compile_fx_inner(graph, inputs, **kwargs)
-
-    patches = settings.config_patches()
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
+    return compile_fx_with(gm, example_inputs, on_graph=on_graph, config_patches=settings.config_patches())

@@ -1,13 +1,6 @@
 """Pure bucket planning: FX graph + parameter sizes in, `BucketPlan` out (see planner.py's Note)."""
-from ddp.bucketing.planner import (
-    DEFAULT_FIRST_BUCKET_BYTES,
-    MiB,
-    Bucket,
-    BucketPlan,
-    ParamInfo,
-    plan_buckets,
-    resolve_caps,
-)
+from ddp.bucketing.caps import DEFAULT_FIRST_BUCKET_BYTES, MiB, caps_from_mb, check_cap_mb, resolve_caps
+from ddp.bucketing.planner import Bucket, BucketPlan, ParamInfo, plan_buckets
 
 __all__ = [
     "DEFAULT_FIRST_BUCKET_BYTES",
@@ -15,6 +8,8 @@ __all__ = [
     "Bucket",
     "BucketPlan",
     "ParamInfo",
+    "caps_from_mb",
+    "check_cap_mb",
     "plan_buckets",
     "resolve_caps",
 ]

@@ -33,9 +33,7 @@ from typing import Mapping
 
 import torch.fx as fx
 
-MiB = 1024 * 1024
-DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
-"""DDP's default cap for the first bucket (the gradients that are ready first)."""
+from ddp.bucketing.caps import MiB, resolve_caps
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,22 +101,6 @@ class BucketPlan:
             names = ", ".join(b.params) if b.params else "(no parameters)"
             lines.append(f"  bucket {b.index}: {b.nbytes / MiB:8.3f} MiB  {names}")
         return "\n".join(lines)
-
-
-def resolve_caps(bucket_cap_bytes: int, first_bucket_cap_bytes: int | None) -> tuple[int, int]:
-    """Validate the caps; the first bucket's cap defaults to DDP's 1 MiB, clamped to the cap."""
-    if bucket_cap_bytes <= 0:
-        raise ValueError(f"bucket_cap_bytes={bucket_cap_bytes}: must be > 0")
-    if first_bucket_cap_bytes is None:
-        first_bucket_cap_bytes = min(DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_bytes)
-    if first_bucket_cap_bytes <= 0:
-        raise ValueError(f"first_bucket_cap_bytes={first_bucket_cap_bytes}: must be > 0")
-    if first_bucket_cap_bytes > bucket_cap_bytes:
-        raise ValueError(
-            f"first_bucket_cap_bytes={first_bucket_cap_bytes} exceeds bucket_cap_bytes={bucket_cap_bytes}; "
-            "the first bucket may only be smaller than (or equal to) the others"
-        )
-    return bucket_cap_bytes, first_bucket_cap_bytes
 
 
 def plan_buckets(

@@ -381,13 +381,13 @@ def test_untraceable_optimizer_runs_eagerly_and_says_so():
 
 
 def test_backend_failure_on_the_update_falls_back_with_the_error(monkeypatch):
-    # The module, not the function of the same name that compile_core/__init__ re-exports.
-    ts = importlib.import_module("compile_core.step")
+    update_module = importlib.import_module("compile_core.update")
 
     def refusing_backend(gm, example_inputs):
         raise RuntimeError("this backend refuses optimizer graphs")
 
-    monkeypatch.setattr(ts, "_optimizer_backend", lambda backend: refusing_backend)
+    # The update looks its backend up by name; the model's backend stays aot_eager.
+    monkeypatch.setattr(update_module, "lookup_backend", lambda backend: refusing_backend)
     data = batches(3)
     model, opt, sched = make_setup("adamw", "step")
     step = train_step(model, opt, F.mse_loss, backend=BACKEND, lr_scheduler=sched)

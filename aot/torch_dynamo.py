@@ -1,0 +1,148 @@
+"""Every private piece of Dynamo and AOTAutograd this project relies on, in one place.
+
+The layers above (`ddp`, `compile_core`) reach Dynamo's and AOTAutograd's internals only through
+these functions. Each says which torch 2.13 file it mirrors; `tests/single/test_torch_internals.py`
+has one canary per function, failing with a message that names the function when torch changes.
+Public routes (`torch.compile`, `torch.compiler.reset`, `functorch.compile`) are used where torch
+2.13 has one; what is here has none.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+
+RestartAnalysis = torch._dynamo.exc.RestartAnalysis
+"""Dynamo's own control flow (`_dynamo/exc.py`): "trace this frame again"; never a compile failure."""
+
+DynamoError = torch._dynamo.exc.TorchDynamoException
+"""Base of every error Dynamo raises while capturing or compiling (`_dynamo/exc.py`)."""
+
+
+def compile_with_guard_hook(
+    fn: Callable[..., Any],
+    backend: Callable[..., Any],
+    *,
+    on_guard_fail: Callable[[str, str], None],
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    isolate_recompiles: bool = False,
+) -> Callable[..., Any]:
+    """`torch.compile(fn, backend=...)` plus a callback per failed guard: `on_guard_fail(reason, where)`.
+
+    Mirrors `torch._dynamo.optimize(..., guard_fail_fn=, isolate_recompiles=)` (`_dynamo/eval_frame.py`);
+    `torch.compile` has no route to the guard failures, which are the reasons of every recompile.
+    Dynamo calls the hook once per cached entry that failed, just before it compiles again.
+    `isolate_recompiles` gives `fn` a cache of its own even when several wrappers share its code.
+    """
+
+    def guard_fail_fn(failure: Any) -> None:  # a `GuardFail(reason, orig_code)` (`_dynamo/types.py`)
+        code = getattr(failure, "orig_code", None)
+        where = f"{code.co_filename}:{code.co_firstlineno} {code.co_name}" if code is not None else ""
+        on_guard_fail(str(getattr(failure, "reason", failure)), where)
+
+    return torch._dynamo.optimize(
+        backend, nopython=fullgraph, dynamic=dynamic, guard_fail_fn=guard_fail_fn,
+        isolate_recompiles=isolate_recompiles,
+    )(fn)
+
+
+def lookup_backend(name: str) -> Callable[..., Any]:
+    """The Dynamo backend registered as `name` (`_dynamo/backends/registry.py`)."""
+    return torch._dynamo.lookup_backend(name)
+
+
+def graph_break_of(gm: fx.GraphModule) -> dict[str, str] | None:
+    """`{"reason", "where"}` when Dynamo compiled `gm` because of a graph break, else None.
+
+    Mirrors `OutputGraph.compile_subgraph_reason` (`_dynamo/output_graph.py`), a `GraphCompileReason`
+    that Dynamo attaches to every graph module it hands a backend.
+    """
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    stack = getattr(reason, "user_stack", None) or []
+    where = f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "<unknown>"
+    return {"reason": str(reason.reason), "where": where}
+
+
+def break_counters() -> dict[str, int]:
+    """Dynamo's running count of graph breaks and unsupported constructs, by message.
+
+    Mirrors `torch._dynamo.utils.counters["unimplemented"]` and `["graph_break"]`: the only record of
+    breaks that produce no graph of their own (a skipped frame, a frame run eagerly).
+    """
+    from torch._dynamo.utils import counters
+
+    return {**counters["unimplemented"], **counters["graph_break"]}
+
+
+def fake_mode_of(example_inputs: list) -> Any:
+    """The FakeTensorMode Dynamo traced `example_inputs` with, or a new one (`_dynamo/utils.py`)."""
+    from torch._dynamo.utils import detect_fake_mode
+
+    return detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+
+
+def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:
+    """Dynamo's guard against user saved-tensor hooks while a backend traces (`_dynamo/utils.py`)."""
+    return torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()
+
+
+class PieceMetadata:
+    """The per-piece forward metadata slots of Dynamo's `TracingContext` (`torch/_guards.py`).
+
+    When one Dynamo graph is compiled as several AOT pieces, AOTAutograd looks up each piece's
+    forward metadata in `TracingContext.ddp_optimizer_ctx` (a `DDPOptimizerContext`,
+    `_dynamo/backends/distributed.py`) when it compiles that piece's backward lazily, and
+    `TracingContext.fakify_first_call` makes a compiled piece return fakes (with its real output
+    strides) from its first call, so the next piece is compiled against what it will really get.
+    """
+
+    def __init__(self) -> None:
+        from torch._dynamo.backends.distributed import DDPOptimizerContext
+
+        self._tracing = torch._guards.TracingContext.try_get()
+        if self._tracing is not None:
+            self._tracing.ddp_optimizer_ctx = DDPOptimizerContext()
+
+    @property
+    def active(self) -> bool:
+        """False outside Dynamo (a graph compiled directly): nothing to record."""
+        return self._tracing is not None
+
+    @contextlib.contextmanager
+    def fakify_first_call(self) -> Iterator[None]:
+        if self._tracing is None:
+            yield
+            return
+        self._tracing.fakify_first_call = True
+        try:
+            yield
+        finally:
+            self._tracing.fakify_first_call = False
+
+    def push_piece(self) -> None:
+        """Record the forward metadata of the piece AOTAutograd just compiled (in piece order)."""
+        ctx = self._tracing.ddp_optimizer_ctx
+        ctx.curr_bucket += 1
+        ctx.metadata_per_bucket.append(self._tracing.fw_metadata)
+
+
+def aot_autograd_backend(**kwargs: Any) -> Callable[..., Any]:
+    """A Dynamo backend running AOTAutograd with the given compilers (`_dynamo/backends/common.py`)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(**kwargs)
+
+
+def is_fake(x: Any) -> bool:
+    """True for a FakeTensor (`torch/_subclasses/fake_tensor.py`)."""
+    return isinstance(x, torch._subclasses.FakeTensor)
+
+
+def pytorch_ddp_optimizer() -> contextlib.AbstractContextManager:
+    """Dynamo config under which PyTorch's own DDPOptimizer splits DDP graphs (`_dynamo/config.py`)."""
+    return torch._dynamo.config.patch(optimize_ddp="ddp_optimizer")

@@ -1,0 +1,124 @@
+"""Every private piece of `DistributedDataParallel` this project relies on, in one place.
+
+A torch upgrade that renames or reshapes one of these breaks us here and nowhere else, and
+`tests/single/test_torch_internals.py` has one canary per function that fails with a message naming
+the function and the torch file it mirrors. Everything is read from torch 2.13's
+`torch/nn/parallel/distributed.py` (called `distributed.py` below) unless a function says otherwise.
+Public DDP API (`register_comm_hook`, `no_sync`, `process_group`, `bucket_bytes_cap`, ...) is used
+directly elsewhere and does not belong here.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+@contextlib.contextmanager
+def hidden_from_dynamo() -> Iterator[None]:
+    """Clear DDP's "active module" slot while our own compiled code runs.
+
+    Mirrors `DistributedDataParallel._active_ddp_module` / `_inside_ddp_forward` (distributed.py):
+    Dynamo reads the slot and, when it is set and `optimize_ddp` is on, wraps the backend in its
+    DDPOptimizer. Our backends split (or reduce) themselves, so the slot must look empty.
+    """
+    saved = DistributedDataParallel._active_ddp_module
+    DistributedDataParallel._active_ddp_module = None
+    try:
+        yield
+    finally:
+        DistributedDataParallel._active_ddp_module = saved
+
+
+def comm_hooks(ddp: DistributedDataParallel) -> list[tuple[Callable[..., Any], Any]]:
+    """(hook, state) pairs the user registered (`register_comm_hook` appends to `_comm_hooks`)."""
+    return list(ddp._comm_hooks)
+
+
+def ignored_names(ddp: DistributedDataParallel) -> frozenset[str]:
+    """Fully qualified names DDP neither reduces nor broadcasts (`parameters_to_ignore`)."""
+    return frozenset(getattr(ddp, "parameters_to_ignore", ()) or ())
+
+
+def reducer_params(ddp: DistributedDataParallel) -> tuple[list[torch.nn.Parameter], list[bool]]:
+    """The parameters DDP's reducer indexes, in its order, and their sparse-gradient flags.
+
+    Mirrors `DistributedDataParallel._build_params_for_reducer` (distributed.py): bucket layouts
+    given to a `Reducer` are lists of indices into exactly this list.
+    """
+    params, expect_sparse = ddp._build_params_for_reducer()
+    return list(params), list(expect_sparse)
+
+
+def reducer_swap_blocker(ddp: DistributedDataParallel) -> str | None:
+    """Why a replacement reducer could not keep DDP's behaviour (None when it can).
+
+    Each flag is a DDP construction option the reducer we build cannot reproduce: the python
+    reducer (`_use_python_reducer`), `mixed_precision`, delayed all-reduce parameters
+    (`_delay_all_reduce_params`) and `static_graph` (distributed.py, `__init__`).
+    """
+    if getattr(ddp, "_use_python_reducer", False):
+        return "DDP uses the python reducer"
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return "DDP mixed_precision is set"
+    if getattr(ddp, "_delay_all_reduce_params", None):
+        return "DDP has delayed all-reduce parameters"
+    if getattr(ddp, "static_graph", False):
+        return "DDP static_graph=True keeps its own bucket order"
+    return None
+
+
+def install_reducer(
+    ddp: DistributedDataParallel,
+    params: Sequence[torch.nn.Parameter],
+    expect_sparse: Sequence[bool],
+    layout: Sequence[Sequence[int]],
+    bucket_bytes: Sequence[int],
+) -> None:
+    """Give `ddp` a new `Reducer` whose buckets are `layout` (indices into `params`), keeping its options.
+
+    Mirrors `DistributedDataParallel._ddp_init_helper` (distributed.py): the `dist.Reducer` built
+    there, its `dist.Logger`, and `register_comm_hook`'s re-registration through
+    `dist._register_comm_hook`. `bucket_bytes` are the per-bucket caps, used both for the initial
+    buckets and for DDP's later rebuild (`bucket_bytes_cap_list`, new in torch 2.13), so a rebuild
+    from the observed gradient order cuts in the same places. Marks DDP as rebuilt
+    (`_has_rebuilt_buckets`) so that its own bookkeeping agrees that the buckets are final.
+    """
+    config = ddp._bucket_config
+    reducer = dist.Reducer(
+        params=list(params),
+        bucket_indices=[list(b) for b in layout],
+        per_bucket_size_limits=list(bucket_bytes),
+        process_group=ddp.process_group,
+        expect_sparse_gradients=list(expect_sparse),
+        bucket_bytes_cap=config.bucket_bytes_cap,
+        find_unused_parameters=ddp.find_unused_parameters,
+        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+        param_to_name_mapping=ddp._build_debug_param_to_name_mapping(list(params)),
+        first_bucket_bytes_cap=config.first_bucket_bytes_cap,
+        skip_all_reduce_unused_params=getattr(ddp, "skip_all_reduce_unused_params", False),
+        use_python_reducer=False,
+        bucket_bytes_cap_list=list(bucket_bytes),
+        batched_grad_copy=getattr(ddp, "batched_grad_copy", False),
+    )
+    logger = dist.Logger(reducer)
+    reducer.set_logger(logger)
+    has_sync_bn = any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())
+    logger.set_construction_data_and_log(
+        ddp.module.__class__.__name__,
+        [] if ddp.device_ids is None else ddp.device_ids,
+        -1 if ddp.output_device is None else ddp.output_device,
+        ddp.forward_sync_buffers,
+        has_sync_bn,
+        False,  # static_graph: a blocker above, never set here
+    )
+    ddp.reducer = reducer
+    ddp.logger = logger
+    # The new reducer has no hook yet: the ones registered on the old reducer must keep working.
+    for hook, state in comm_hooks(ddp):
+        logger._set_comm_hook_name(hook.__qualname__)
+        dist._register_comm_hook(reducer, state, hook)
+    ddp._has_rebuilt_buckets = True

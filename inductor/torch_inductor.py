@@ -1,0 +1,47 @@
+"""Every piece of Inductor's Python API this project relies on, in one place.
+
+`list_options` / `list_mode_options` are documented next to `torch.compile`; `compile_fx` and
+`compile_fx_inner` (`torch/_inductor/compile_fx.py`) are Inductor's private entry points: the
+outer one runs AOTAutograd with Inductor's decompositions and partitioner, the inner one compiles
+one forward or backward graph. `tests/single/test_torch_internals.py` has a canary per function.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch.fx as fx
+
+
+def option_names() -> frozenset[str]:
+    """Every Inductor config name `options=` may set (`torch._inductor.list_options()`)."""
+    import torch._inductor
+
+    return frozenset(torch._inductor.list_options())
+
+
+def mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:
+    """The Inductor config a `torch.compile` mode stands for (`torch._inductor.list_mode_options`)."""
+    import torch._inductor
+
+    return dict(torch._inductor.list_mode_options(mode, dynamic))
+
+
+def compile_fx_with(
+    gm: fx.GraphModule,
+    example_inputs: list,
+    *,
+    on_graph: Callable[[fx.GraphModule, bool], None],
+    config_patches: Mapping[str, Any] | None,
+) -> Callable[..., Any]:
+    """Inductor's `compile_fx`, calling `on_graph(graph, is_backward)` before each inner compile.
+
+    Mirrors `compile_fx(..., inner_compile=)` and `compile_fx_inner(..., is_backward=)`
+    (`torch/_inductor/compile_fx.py`).
+    """
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(graph: fx.GraphModule, inputs: list, **kwargs: Any) -> Any:
+        on_graph(graph, bool(kwargs.get("is_backward", False)))
+        return compile_fx_inner(graph, inputs, **kwargs)
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=dict(config_patches or {}) or None)

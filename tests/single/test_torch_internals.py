@@ -1,0 +1,217 @@
+"""Canaries: one per private torch internal we use (ddp/torch_ddp.py, aot/torch_dynamo.py,
+inductor/torch_inductor.py). When a torch upgrade changes one, its canary fails with a message that
+names the function to update, instead of a confusing failure deep inside a compile."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from aot import torch_dynamo
+from ddp import torch_ddp
+from inductor import torch_inductor
+
+pytestmark = pytest.mark.usefixtures("pg")
+
+
+@contextlib.contextmanager
+def canary(home: str):
+    """Turn any failure into one line naming the function that mirrors the torch internal."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - every failure here means torch changed under us
+        raise AssertionError(f"torch {torch.__version__} changed what {home} relies on: {type(exc).__name__}: {exc}") from exc
+
+
+def two_layers() -> DDP:
+    torch.manual_seed(0)
+    return DDP(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+
+
+# -- ddp/torch_ddp.py -------------------------------------------------------------------------------
+
+
+def test_hidden_from_dynamo_clears_and_restores_the_active_module_slot():
+    with canary("ddp/torch_ddp.py:hidden_from_dynamo"):
+        ddp = two_layers()
+        DDP._active_ddp_module = ddp
+        try:
+            with torch_ddp.hidden_from_dynamo():
+                assert DDP._get_active_ddp_module() is None
+            assert DDP._get_active_ddp_module() is ddp
+        finally:
+            DDP._active_ddp_module = None
+
+
+def test_comm_hooks_lists_registered_hooks():
+    with canary("ddp/torch_ddp.py:comm_hooks"):
+        ddp = two_layers()
+        state = object()
+
+        def hook(state, bucket):
+            return torch.futures.Future()
+
+        ddp.register_comm_hook(state, hook)
+        assert torch_ddp.comm_hooks(ddp) == [(hook, state)]
+
+
+def test_ignored_names_are_ddps_parameters_to_ignore():
+    with canary("ddp/torch_ddp.py:ignored_names"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["1.weight"])
+        assert torch_ddp.ignored_names(DDP(model)) == frozenset({"1.weight"})
+
+
+def test_reducer_params_are_the_trainable_parameters_in_order():
+    with canary("ddp/torch_ddp.py:reducer_params"):
+        ddp = two_layers()
+        ddp.module[0].bias.requires_grad_(False)
+        params, sparse = torch_ddp.reducer_params(ddp)
+        expected = [p for p in ddp.module.parameters() if p.requires_grad]
+        assert [id(p) for p in params] == [id(p) for p in expected]
+        assert sparse == [False] * len(expected)
+
+
+@pytest.mark.parametrize("kwargs, words", [({"static_graph": True}, "static_graph"), ({}, None)])
+def test_reducer_swap_blocker_reads_ddp_flags(kwargs, words):
+    with canary("ddp/torch_ddp.py:reducer_swap_blocker"):
+        ddp = DDP(nn.Linear(4, 4), **kwargs)
+        blocker = torch_ddp.reducer_swap_blocker(ddp)
+        assert (blocker is None) if words is None else (words in blocker)
+
+
+def test_reducer_takes_our_keywords():
+    with canary("ddp/torch_ddp.py:install_reducer"):
+        doc = torch.distributed.Reducer.__init__.__doc__
+        source = inspect.getsource(torch_ddp.install_reducer)
+        for keyword in ("params", "bucket_indices", "per_bucket_size_limits", "process_group",
+                        "expect_sparse_gradients", "bucket_bytes_cap", "find_unused_parameters",
+                        "gradient_as_bucket_view", "param_to_name_mapping", "first_bucket_bytes_cap",
+                        "skip_all_reduce_unused_params", "use_python_reducer", "bucket_bytes_cap_list",
+                        "batched_grad_copy"):
+            assert f"{keyword}=" in source
+            assert f"{keyword}:" in doc, f"Reducer no longer takes {keyword}="
+
+
+def test_install_reducer_gives_ddp_our_buckets_and_keeps_hooks():
+    with canary("ddp/torch_ddp.py:install_reducer"):
+        ddp = two_layers()
+        seen: list[int] = []
+
+        def hook(state, bucket):
+            seen.append(len(bucket.parameters()))
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, hook)
+        params, sparse = torch_ddp.reducer_params(ddp)
+        layout = [[2, 3], [0, 1]]  # last layer's weight+bias first, as gradients become ready
+        nbytes = [sum(params[i].numel() * 4 for i in b) for b in layout]
+        torch_ddp.install_reducer(ddp, params, sparse, layout, nbytes)
+        ddp(torch.randn(3, 8)).sum().backward()
+        assert seen == [2, 2]
+        assert ddp._has_rebuilt_buckets
+
+
+# -- aot/torch_dynamo.py ----------------------------------------------------------------------------
+
+
+def test_guard_hook_reports_the_reason_of_a_recompile():
+    with canary("aot/torch_dynamo.py:compile_with_guard_hook"):
+        failures: list[tuple[str, str]] = []
+        fn = torch_dynamo.compile_with_guard_hook(
+            lambda x: x * 2, "eager", on_guard_fail=lambda reason, where: failures.append((reason, where)),
+            dynamic=False, isolate_recompiles=True,
+        )
+        fn(torch.randn(3))
+        fn(torch.randn(5))
+        assert failures and "size" in failures[0][0].lower(), failures
+
+
+def test_lookup_backend_and_restart_and_error_types():
+    with canary("aot/torch_dynamo.py:lookup_backend/RestartAnalysis/DynamoError"):
+        assert callable(torch_dynamo.lookup_backend("aot_eager"))
+        assert issubclass(torch_dynamo.RestartAnalysis, Exception)
+        assert issubclass(torch_dynamo.DynamoError, Exception)
+
+
+def _graph_break_fn(x):
+    y = x + 1
+    torch._dynamo.graph_break()
+    return y * 2
+
+
+def test_graph_break_is_readable_from_the_graph_and_the_counters():
+    with canary("aot/torch_dynamo.py:graph_break_of/break_counters"):
+        breaks = []
+        before = sum(torch_dynamo.break_counters().values())
+
+        def backend(gm, example_inputs):
+            breaks.append(torch_dynamo.graph_break_of(gm))
+            return gm.forward
+
+        torch.compile(_graph_break_fn, backend=backend)(torch.randn(2))
+        found = [b for b in breaks if b is not None]
+        assert found and "test_torch_internals.py:" in found[0]["where"], breaks
+        assert sum(torch_dynamo.break_counters().values()) > before
+
+
+def test_piece_metadata_slots_exist_while_a_backend_runs():
+    with canary("aot/torch_dynamo.py:PieceMetadata/fake_mode_of/is_fake/aot_autograd_backend"):
+        seen = {}
+
+        def backend(gm, example_inputs):
+            meta = torch_dynamo.PieceMetadata()
+            seen["active"] = meta.active
+            fake = torch_dynamo.fake_mode_of(list(example_inputs))
+            seen["fake"] = torch_dynamo.is_fake(fake.from_tensor(torch.randn(2)))
+            with meta.fakify_first_call(), torch_dynamo.saved_tensors_hooks_disabled():
+                compiled = torch_dynamo.aot_autograd_backend(
+                    fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward
+                )(gm, example_inputs)
+            meta.push_piece()
+            seen["pieces"] = len(torch._guards.TracingContext.get().ddp_optimizer_ctx.metadata_per_bucket)
+            return compiled
+
+        w = torch.randn(4, requires_grad=True)
+        torch.compile(lambda x: (x * w).sum(), backend=backend)(torch.randn(4))
+        assert seen == {"active": True, "fake": True, "pieces": 1}
+
+
+def test_pytorch_ddp_optimizer_is_a_dynamo_config_value():
+    with canary("aot/torch_dynamo.py:pytorch_ddp_optimizer"):
+        with torch_dynamo.pytorch_ddp_optimizer():
+            assert torch._dynamo.config.optimize_ddp == "ddp_optimizer"
+
+
+# -- inductor/torch_inductor.py ---------------------------------------------------------------------
+
+
+def test_inductor_option_and_mode_tables():
+    with canary("inductor/torch_inductor.py:option_names/mode_options"):
+        assert "max_autotune" in torch_inductor.option_names()
+        assert torch_inductor.mode_options("max-autotune-no-cudagraphs", None).get("max_autotune") is True
+
+
+@pytest.mark.inductor
+def test_compile_fx_with_sees_forward_and_backward_graphs():
+    with canary("inductor/torch_inductor.py:compile_fx_with"):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            return torch_inductor.compile_fx_with(
+                gm, example_inputs, on_graph=lambda g, is_backward: graphs.append(is_backward), config_patches=None
+            )
+
+        w = torch.randn(8, requires_grad=True)
+        x = torch.randn(8)
+        # A cache hit skips the inner compile: this canary is about the hook, so no caches.
+        with torch._inductor.config.patch(force_disable_caches=True):
+            torch.compile(lambda x: (x * w).sin().sum(), backend=backend)(x).backward()
+        assert graphs == [False, True]
+        torch.testing.assert_close(w.grad, (x * w.detach()).cos() * x)
