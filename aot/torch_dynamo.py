@@ -146,3 +146,68 @@ def is_fake(x: Any) -> bool:
 def pytorch_ddp_optimizer() -> contextlib.AbstractContextManager:
     """Dynamo config under which PyTorch's own DDPOptimizer splits DDP graphs (`_dynamo/config.py`)."""
     return torch._dynamo.config.patch(optimize_ddp="ddp_optimizer")
+
+
+def grad_outputs(graph: fx.Graph) -> dict[int, tuple[int, fx.Node]]:
+    """Graph-input index -> (output position, node) for each gradient an AOT graph returns.
+
+    Works on the joint graph and on the backward graph after partitioning: AOTAutograd tags the
+    output node with `meta["desc"]`, one descriptor per output; a `GradAOTOutput` says which input
+    (`PlainAOTInput(idx)`, the Dynamo graph's input position) the gradient belongs to
+    (`_functorch/_aot_autograd/descriptors.py`, `graph_capture.py`).
+    """
+    from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTInput
+
+    output = next(n for n in graph.nodes if n.op == "output")
+    found: dict[int, tuple[int, fx.Node]] = {}
+    for position, (node, desc) in enumerate(zip(output.args[0], output.meta.get("desc", ()))):
+        if isinstance(node, fx.Node) and isinstance(desc, GradAOTOutput) and isinstance(desc.grad_of, PlainAOTInput):
+            found[desc.grad_of.idx] = (position, node)
+    return found
+
+
+def input_placeholders(graph: fx.Graph) -> dict[int, fx.Node]:
+    """Graph-input index -> placeholder, for the inputs of an AOT joint graph (`meta["desc"]`)."""
+    from torch._functorch._aot_autograd.descriptors import PlainAOTInput
+
+    return {
+        n.meta["desc"].idx: n
+        for n in graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("desc"), PlainAOTInput)
+    }
+
+
+def graph_fake_mode(graph: fx.Graph) -> Any:
+    """The FakeTensorMode of the values AOTAutograd recorded on `graph`'s nodes (`node.meta["val"]`)."""
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    return detect_fake_mode(vals)
+
+
+def with_extra_inputs(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
+    """A copy of Dynamo's graph module `gm` with extra placeholders `names` after its own inputs.
+
+    Dynamo keeps using its graph after the backend returns (it reads `meta["grapharg"]` of every
+    placeholder, `_dynamo/output_graph.py`), so the original is left untouched. AOTAutograd
+    recognises a Dynamo graph by `meta["dynamo_compile_id"]` and `_param_name_to_source`, and wants
+    `_dynamo_source` on every placeholder (`_functorch/_aot_autograd/frontend_utils.py`); ours have
+    none (None), as the inputs DDPOptimizer creates.
+    """
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    output = graph.graph_copy(gm.graph, copies)
+    for old, new in copies.items():
+        if old.op == "placeholder":
+            new._dynamo_source = getattr(old, "_dynamo_source", None)
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for name in names:
+        with graph.inserting_after(last):
+            last = graph.placeholder(name)
+        last._dynamo_source = None
+    graph.output(output)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
+    return copy

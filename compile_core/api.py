@@ -9,6 +9,7 @@ module" slot is cleared: otherwise Dynamo would wrap our backend in PyTorch's DD
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Callable
 
@@ -22,11 +23,20 @@ from compile_core.events import CompileEvents
 from compile_core.pieces import PieceCompiler
 from compile_core.report import CompileLog, CompileReport, GraphEntry
 from ddp import torch_ddp
+from ddp.agreement import RankAgreement
 from ddp.alignment import ReducerAlignment
 from ddp.bucketing import MiB
+from ddp.in_graph import InGraphReducer, in_graph_blocker
 from ddp.splitter import DDPSplitter, SplitGraph, SplitterConfig
 
 log = logging.getLogger(__name__)
+
+_models = itertools.count()
+"""Numbers compiled models in creation order: every rank creates them in the same order, so the
+number names the same model on every rank (the prefix of its rank-agreement keys)."""
+_VARIANT_GUARD = "ddp_compile_variant"
+"""Name of the entry's closure variable holding the in-graph variant; guard failures on it are
+variant switches (one compile per variant), not recompiles."""
 
 
 def compile(
@@ -71,10 +81,17 @@ class CompiledModel:
             )
         self._inner = inner
         self._mode = config.ddp or "split"
-        if self._ddp is None and self._mode == "torch":
-            raise ValueError("ddp='torch' compares against PyTorch's DDPOptimizer and needs a DDP model; use ddp='none'")
+        if self._ddp is None and self._mode in ("torch", "in_graph"):
+            raise ValueError(
+                f"ddp={self._mode!r} needs a DDP model (DistributedDataParallel; got {type(model).__name__}): "
+                "wrap it in DDP, or use ddp='none' for a plain module"
+            )
+        if self._mode == "in_graph":
+            blocker = in_graph_blocker(self._ddp)
+            if blocker is not None:
+                raise ValueError(f"ddp='in_graph' cannot keep DDP's behaviour here: {blocker}; use ddp='split'")
         self._log = CompileLog()
-        self._events = CompileEvents()
+        self._events = CompileEvents(expected_guard=_VARIANT_GUARD)
         self._calls = 0
         names = {id(p): n for n, p in inner.named_parameters()}
         split = self._ddp is not None and self._mode == "split"
@@ -84,8 +101,19 @@ class CompiledModel:
 
         cap, first = config.caps(int(self._ddp.bucket_bytes_cap) if self._ddp is not None else None)
         self._pieces = PieceCompiler(config, self._log)
+        self._in_graph: InGraphReducer | None = None
         if self._mode == "torch":
             backend: Callable[..., Any] = self._torch_piece
+        elif self._mode == "in_graph":
+            agreement = RankAgreement(self._ddp.process_group, prefix=f"ddp_compile/model{next(_models)}")
+            self._in_graph = InGraphReducer(
+                self._ddp, names=names, bucket_cap_bytes=cap, first_bucket_cap_bytes=first, agreement=agreement
+            )
+            backend = self._in_graph_graph
+            if torch_ddp.comm_hooks(self._ddp):
+                note = "ddp='in_graph': the comm hooks registered on the DDP object do not apply (the compiled backward all-reduces)"
+                self._log.notes.append(note)
+                log.warning("compile_core: %s", note)
         else:
             splitter_config = SplitterConfig(
                 bucket_cap_bytes=cap, first_bucket_cap_bytes=first, param_names=names,
@@ -93,12 +121,14 @@ class CompiledModel:
             )
             backend = DDPSplitter(splitter_config, self._pieces, self._on_graph)
         self._compiled = self._events.compile(
-            _entry_for(inner), backend, fullgraph=config.fullgraph, dynamic=config.dynamic,
+            _entry_for(inner, self._in_graph), backend, fullgraph=config.fullgraph, dynamic=config.dynamic,
             on_compiled=self._graph_compiled,
         )
         inner._compiled_call_impl = self._run_inner
-        # Runs before DDP's own forward, however the model is called (through us or directly).
+        # Run around DDP's own forward, however the model is called (through us or directly).
         model.register_forward_pre_hook(self._before_forward)
+        if self._in_graph is not None:
+            model.register_forward_hook(self._after_forward, always_call=True)
         log.info(
             "compile_core: %s compiled with backend=%s ddp=%s cap=%.3g MiB first=%.3g MiB",
             type(inner).__name__, config.backend_name, self._mode, cap / MiB, first / MiB,
@@ -110,6 +140,9 @@ class CompiledModel:
         if self._mode == "torch":
             return ReducerAlignment(ddp=self._ddp, names=names, status="not ours",
                                     detail="ddp='torch' leaves bucketing to PyTorch")
+        if self._mode == "in_graph":
+            return ReducerAlignment(ddp=self._ddp, names=names, status="not applicable",
+                                    detail="ddp='in_graph': the compiled backward all-reduces, DDP's reducer stays idle")
         if not split:
             return ReducerAlignment(ddp=self._ddp, names=names, status="not applicable", detail=f"ddp={self._mode!r}")
         return ReducerAlignment(ddp=self._ddp, names=names)
@@ -122,7 +155,12 @@ class CompiledModel:
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         # Between iterations, before DDP's pre-forward: the only safe moment to swap DDP's reducer.
         self._alignment.before_forward(self._calls)
+        if self._in_graph is not None:
+            self._in_graph.before_forward()
         self._calls += 1
+
+    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._in_graph.after_forward(output)
 
     def _run_inner(self, *args: Any, **kwargs: Any) -> Any:
         # In ddp='torch' PyTorch's DDPOptimizer splits; otherwise our backend does and DDPOptimizer
@@ -139,6 +177,20 @@ class CompiledModel:
         compiled, _ = self._pieces(gm, list(example_inputs), name)
         with self._log.lock:
             self._log.graphs.append(GraphEntry(name=name, pieces=1, buckets=[], seconds=0.0, step=self._calls))
+        return compiled
+
+    def _in_graph_graph(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        # One graph, never split: its backward all-reduces the plan's buckets (ddp/in_graph/).
+        name = f"graph_{len(self._log.graphs)}"
+        after: list[str] = []
+        compiled, plan = self._in_graph.compile(gm, example_inputs, name, self._pieces, after.extend)
+        buckets = [] if plan is None else [b.to_dict() for b in plan.buckets]
+        for bucket, op in zip(buckets, after or ["(compiled artifact from cache)"] * len(buckets)):
+            bucket["after"] = op
+        with self._log.lock:
+            self._log.graphs.append(GraphEntry(
+                name=name, pieces=1, buckets=buckets, seconds=0.0, step=self._calls, variant=self._in_graph.variant,
+            ))
         return compiled
 
     def _on_graph(self, graph: SplitGraph) -> None:
@@ -184,9 +236,23 @@ class CompiledModel:
         return f"CompiledModel(backend={self._config.backend_name!r}, ddp={self._mode!r}, model={type(self._model).__name__})"
 
 
-def _entry_for(inner: torch.nn.Module) -> Callable[..., Any]:
+def _entry_for(inner: torch.nn.Module, in_graph: InGraphReducer | None) -> Callable[..., Any]:
     # Our own frame, so Dynamo traces it (and inlines torch.nn code, nn.Sequential included).
-    def compiled_entry(*args: Any, **kwargs: Any) -> Any:
+    if in_graph is None:
+        def compiled_entry(*args: Any, **kwargs: Any) -> Any:
+            return inner._call_impl(*args, **kwargs)
+
+        return compiled_entry
+
+    ddp_compile_variant = in_graph  # the name `_VARIANT_GUARD` looks for in guard failures
+
+    def compiled_in_graph_entry(*args: Any, **kwargs: Any) -> Any:
+        # Branching on the variant makes Dynamo guard on it: one cache entry per variant.
+        variant = ddp_compile_variant.variant
+        if variant == "reduce":
+            return inner._call_impl(*args, **kwargs)
+        if variant == "reduce_acc":
+            return inner._call_impl(*args, **kwargs)
         return inner._call_impl(*args, **kwargs)
 
-    return compiled_entry
+    return compiled_in_graph_entry

@@ -13,8 +13,9 @@ _UNKNOWN_CAP = 1 << 62
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 """Backends by name; each adds one layer: eager = Dynamo only, aot_eager = + AOTAutograd, inductor = + codegen."""
-DDP_MODES = ("split", "none", "torch")
-"""split: bucket-aligned pieces; none: one graph, all-reduce after backward; torch: PyTorch's DDPOptimizer."""
+DDP_MODES = ("split", "in_graph", "none", "torch")
+"""split: bucket-aligned pieces; in_graph: one graph whose backward all-reduces its buckets itself;
+none: one graph, all-reduce after backward; torch: PyTorch's DDPOptimizer."""
 FALLBACK_CHAIN = {"inductor": ("inductor", "aot_eager", "eager"), "aot_eager": ("aot_eager", "eager"), "eager": ("eager",)}
 """What a piece falls back to when its backend fails to compile it."""
 
@@ -26,7 +27,7 @@ class CompileConfig:
     backend: str | Callable[..., Any] = "inductor"
     """'inductor', 'aot_eager', 'eager', or a Dynamo backend callable (gm, example_inputs) -> callable."""
     ddp: str | None = None
-    """'split', 'none' or 'torch'; None = 'split' (which compiles whole graphs for a non-DDP model)."""
+    """'split', 'in_graph', 'none' or 'torch'; None = 'split' (whole graphs for a non-DDP model)."""
     bucket_cap_mb: float | None = None
     """Bucket cap in MiB; None = the DDP object's own cap."""
     first_bucket_cap_mb: float | None = None

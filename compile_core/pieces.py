@@ -28,12 +28,15 @@ class PieceCompiler:
         self.config = config
         self.log = compile_log
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list, name: str) -> tuple[Callable[..., Any], bool]:
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: list, name: str, *, partitioner: Any = None
+    ) -> tuple[Callable[..., Any], bool]:
+        """`partitioner` (callable with a `uuid()`) replaces AOTAutograd's min-cut partition step."""
         chain = self.config.fallback_chain()
         first_error: tuple[str, BaseException] | None = None
         for backend in chain:
             try:
-                compiled, used_aot = self._compile_with(backend, gm, example_inputs, name)
+                compiled, used_aot = self._compile_with(backend, gm, example_inputs, name, partitioner)
             except RestartAnalysis:
                 raise
             except Exception as exc:  # noqa: BLE001 - any compiler failure moves to the next backend
@@ -53,18 +56,24 @@ class PieceCompiler:
             return compiled, used_aot
         raise AssertionError("unreachable: the last backend either returns or raises")
 
-    def _compile_with(self, backend: str, gm: fx.GraphModule, example_inputs: list, name: str) -> tuple[Callable[..., Any], bool]:
+    def _compile_with(
+        self, backend: str, gm: fx.GraphModule, example_inputs: list, name: str, partitioner: Any
+    ) -> tuple[Callable[..., Any], bool]:
         if backend == "eager":
             return gm.forward, False
         if backend == "custom":
             return self.config.backend(gm, example_inputs), False
         pair = GraphPair(name=name)
         if backend == "aot_eager":
-            compiled = aot_compile(gm, example_inputs, fw_compiler=nop_compiler, bw_compiler=nop_compiler, pair=pair)
+            compiled = aot_compile(
+                gm, example_inputs, fw_compiler=nop_compiler, bw_compiler=nop_compiler, pair=pair,
+                partition_fn=partitioner,
+            )
         else:
             compiled = inductor_compile(
                 gm, example_inputs, settings=self.config.inductor_settings(),
                 on_graph=lambda graph, is_backward: pair.record(graph, backward=is_backward),
+                partitioner=partitioner,
             )
         with self.log.lock:
             self.log.pairs.append(pair)

@@ -24,6 +24,8 @@ class GraphEntry:
     """Wall time spent compiling it (all pieces)."""
     step: int
     """Which call of the compiled model compiled it (1 = first)."""
+    variant: str | None = None
+    """ddp='in_graph' only: local (no collective), reduce, or reduce_acc (with accumulated gradients)."""
 
 
 class CompileLog:
@@ -96,7 +98,8 @@ class CompileReport:
             "backend": self.backend,
             "graphs": [
                 {"name": g.name, "pieces": g.pieces, "buckets": [dict(b) for b in g.buckets],
-                 "compile_seconds": round(g.seconds, 4), "step": g.step}
+                 "compile_seconds": round(g.seconds, 4), "step": g.step,
+                 **({"variant": g.variant} if g.variant is not None else {})}
                 for g in self.graphs
             ],
             "graph_breaks": [dict(x) for x in self.graph_breaks],
@@ -115,9 +118,11 @@ class CompileReport:
             f"pieces={self.pieces} compile={self.compile_seconds:.2f}s"
         ]
         for g in self.graphs:
-            out.append(f"  {g.name} (step {g.step}): {g.pieces} piece(s), {g.seconds:.2f}s")
+            variant = f", variant {g.variant}" if g.variant is not None else ""
+            out.append(f"  {g.name} (step {g.step}): {g.pieces} piece(s){variant}, {g.seconds:.2f}s")
             for i, b in enumerate(g.buckets):
-                out.append(f"    bucket {i:>2}  {b['bytes'] / MiB:9.3f} MiB  {_short_names(b['params'])}")
+                after = f"  [all-reduce after {b['after']}]" if "after" in b else ""
+                out.append(f"    bucket {i:>2}  {b['bytes'] / MiB:9.3f} MiB  {_short_names(b['params'])}{after}")
         align = self.alignment
         out.append(f"  DDP bucket alignment: {align.get('status')}" + (f" ({align['detail']})" if align.get("detail") else ""))
         if self.observed_alignment is not None:

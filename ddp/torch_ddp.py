@@ -122,3 +122,22 @@ def install_reducer(
         logger._set_comm_hook_name(hook.__qualname__)
         dist._register_comm_hook(reducer, state, hook)
     ddp._has_rebuilt_buckets = True
+
+
+def default_store() -> dist.Store:
+    """The key-value store the default process group was initialised with.
+
+    Mirrors `torch.distributed.distributed_c10d._get_default_store`. Exchanges through the store
+    never enter a process group's collective sequence, so a rank that takes part alone cannot
+    pair up with another rank's gradient all-reduce; it times out instead.
+    """
+    return dist.distributed_c10d._get_default_store()
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run `callback` once the current backward pass has finished (call from inside the backward).
+
+    Mirrors DDP's reducer and `_DDPSink` (distributed.py), which finish their work through
+    `Variable._execution_engine.queue_callback`.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

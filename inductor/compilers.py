@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
-from inductor.torch_inductor import compile_fx_with, mode_options, option_names
+from inductor.torch_inductor import compile_fx_with, mode_options, option_names, partitioner_patch
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """The modes `torch.compile` accepts."""
@@ -55,6 +55,14 @@ def inductor_compile(
     *,
     settings: InductorSettings,
     on_graph: Callable[[fx.GraphModule, bool], None] = lambda gm, is_backward: None,
+    partitioner: Any = None,
 ) -> Callable[..., Any]:
-    """Compile `gm` with Inductor; `on_graph(graph, is_backward)` sees each graph Inductor compiles."""
-    return compile_fx_with(gm, example_inputs, on_graph=on_graph, config_patches=settings.config_patches())
+    """Compile `gm` with Inductor; `on_graph(graph, is_backward)` sees each graph Inductor compiles.
+
+    `partitioner` (a callable with a `uuid()`) replaces the min-cut partition step, after
+    Inductor's own joint-graph passes.
+    """
+    patches = settings.config_patches()
+    if partitioner is not None:
+        patches.update(partitioner_patch(partitioner, partitioner.uuid()))
+    return compile_fx_with(gm, example_inputs, on_graph=on_graph, config_patches=patches)

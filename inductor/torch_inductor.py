@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 
 def option_names() -> frozenset[str]:
@@ -45,3 +46,40 @@ def compile_fx_with(
         return compile_fx_inner(graph, inputs, **kwargs)
 
     return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=dict(config_patches or {}) or None)
+
+
+def partitioner_patch(partition: Callable[..., Any], uuid: str) -> dict[str, Any]:
+    """Inductor config that runs `partition(joint_gm, joint_inputs, **kwargs)` instead of min-cut.
+
+    Mirrors `torch._inductor.config.custom_partitioner_fn`, a `CustomPartitionerFn`
+    (`torch/_inductor/custom_graph_pass.py`): Inductor still runs its joint-graph passes first, and
+    `uuid` goes into the AOTAutograd/FX cache keys, so it must change whenever `partition` would
+    produce other graphs. Inductor pickles its config into those keys: the partitioner pickles as
+    its uuid alone.
+    """
+    return {"custom_partitioner_fn": _Partitioner(partition, uuid)}
+
+
+class _UuidOnlyPartitioner(CustomPartitionerFn):
+    """What a pickled partitioner turns into: enough for a cache key, not for partitioning."""
+
+    def __init__(self, uuid: str) -> None:
+        self._uuid = uuid
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a partitioner restored from a cache key cannot partition")
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+class _Partitioner(_UuidOnlyPartitioner):
+    def __init__(self, partition: Callable[..., Any], uuid: str) -> None:
+        super().__init__(uuid)
+        self._partition = partition
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        return self._partition(gm, joint_inputs, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return (_UuidOnlyPartitioner, (self._uuid,))

@@ -1,0 +1,124 @@
+"""Ranks agree on a value before acting on it: bounded in time, and every failure names the rank.
+
+Note [Rank agreement]
+---------------------
+Background: every rank must all-reduce the same buckets in the same order; if one rank planned
+differently (a graph break, a recompile or a compile failure on that rank only), a collective
+pairs with the wrong collective and either hangs until the process group's timeout (30 minutes on
+gloo) or silently sums unrelated gradients.
+
+Algorithm: each rank writes its value under `<prefix>/<topic>/<n>/<rank>` in the default
+process group's store, where `n` counts this topic's exchanges on this rank, then waits for the
+keys of the other ranks of the group with a bounded timeout. The exchange goes through the store,
+not through a collective of the group, so a rank that enters it alone cannot be paired with
+another rank's all-reduce: it times out, and the error lists the ranks whose key never came.
+Values that differ raise an error naming each rank that differs from the lowest rank and how.
+
+Notes: timeouts: `first_timeout_s` for the first exchange of a topic (ranks may still be compiling:
+the default is long), `timeout_s` after. Both come from `AgreementTimeouts`, whose defaults can be
+set per job with `DDP_COMPILE_FIRST_TIMEOUT_S` / `DDP_COMPILE_TIMEOUT_S`. A group of one rank
+exchanges nothing.
+
+Debugging: the error message carries the topic, the exchange number and each rank's value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import time
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ddp import torch_ddp
+
+
+class RankTimeoutError(RuntimeError):
+    """Some ranks never reached an exchange within its timeout."""
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks reached an exchange with values that must be equal but are not."""
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds > 0") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds > 0")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgreementTimeouts:
+    """How long a rank waits for the others at an exchange."""
+
+    first_timeout_s: float = dataclasses.field(default_factory=lambda: _env_seconds("DDP_COMPILE_FIRST_TIMEOUT_S", 900.0))
+    """The first exchange of a topic (other ranks may still be compiling)."""
+    timeout_s: float = dataclasses.field(default_factory=lambda: _env_seconds("DDP_COMPILE_TIMEOUT_S", 120.0))
+    """Every later exchange."""
+
+    def __post_init__(self) -> None:
+        for name in ("first_timeout_s", "timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"AgreementTimeouts.{name}={value!r}: expected a number of seconds > 0")
+
+
+class RankAgreement:
+    """Exchanges values between the ranks of `group` through the default store (see the Note)."""
+
+    def __init__(self, group: Any, *, prefix: str, timeouts: AgreementTimeouts | None = None) -> None:
+        self.group = group
+        self.prefix = prefix
+        self.timeouts = timeouts or AgreementTimeouts()
+        self.ranks = dist.get_process_group_ranks(group) if dist.is_initialized() else [0]
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._counts: dict[str, int] = {}
+
+    def exchange(self, topic: str, value: Any, *, timeout_s: float | None = None) -> dict[int, Any]:
+        """Every rank's value (global rank -> value); raises `RankTimeoutError` naming missing ranks."""
+        if len(self.ranks) == 1:
+            return {self.rank: value}
+        n = self._counts.get(topic, 0)
+        self._counts[topic] = n + 1
+        timeout = timeout_s or (self.timeouts.first_timeout_s if n == 0 else self.timeouts.timeout_s)
+        store = torch_ddp.default_store()
+        base = f"{self.prefix}/{topic}/{n}"
+        store.set(f"{base}/{self.rank}", pickle.dumps(value))
+        keys = {r: f"{base}/{r}" for r in self.ranks}
+        deadline = time.monotonic() + timeout
+        missing = [r for r in self.ranks if r != self.rank]
+        while missing:
+            missing = [r for r in missing if not store.check([keys[r]])]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise RankTimeoutError(
+                    f"rank {self.rank}: rank(s) {missing} did not reach '{topic}' (exchange {n}) within "
+                    f"{timeout:.0f}s; they are stuck, dead, or took another path (a graph break, recompile or "
+                    "compile failure on that rank only). Raise DDP_COMPILE_FIRST_TIMEOUT_S / DDP_COMPILE_TIMEOUT_S "
+                    "if they are only slow to compile"
+                )
+            time.sleep(0.01)
+        return {r: pickle.loads(store.get(keys[r])) for r in self.ranks}
+
+    def agree(
+        self, topic: str, value: Any, *, describe: Callable[[Any], str] = repr, timeout_s: float | None = None
+    ) -> None:
+        """Raise `RankMismatchError` naming each rank whose value differs from the lowest rank's."""
+        values = self.exchange(topic, value, timeout_s=timeout_s)
+        first = min(values)
+        differing = [r for r in sorted(values) if values[r] != values[first]]
+        if differing:
+            lines = [f"rank {r}: {describe(values[r])}" for r in [first, *differing]]
+            raise RankMismatchError(
+                f"rank {self.rank}: ranks {differing} differ from rank {first} on '{topic}' "
+                f"(exchange {self._counts[topic] - 1}):\n  " + "\n  ".join(lines)
+            )

@@ -1,0 +1,23 @@
+"""`ddp="in_graph"`: the compiled backward all-reduces its own gradient buckets.
+
+* `graph_pass.py` -- the FX passes (bucketed all-reduce in the backward, accumulated gradients);
+* `partitioner.py` -- AOTAutograd's partition step with those passes (aot_eager and Inductor);
+* `runtime.py` -- `InGraphReducer`: DDP's semantics around it (no_sync, buffers, leftovers, agreement).
+"""
+from __future__ import annotations
+
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp import torch_ddp
+from ddp.in_graph.runtime import VARIANTS, InGraphReducer
+
+
+def in_graph_blocker(ddp: DistributedDataParallel) -> str | None:
+    """Why `ddp="in_graph"` cannot keep this DDP model's behaviour (None when it can)."""
+    blocker = torch_ddp.reducer_swap_blocker(ddp)
+    if blocker is not None and "static_graph" not in blocker:  # static_graph only orders DDP's own buckets
+        return blocker
+    return None
+
+
+__all__ = ["VARIANTS", "InGraphReducer", "in_graph_blocker"]

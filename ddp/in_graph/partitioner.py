@@ -1,0 +1,65 @@
+"""The AOTAutograd partition step of `ddp="in_graph"`: min-cut, then the in-graph all-reduce pass.
+
+AOTAutograd calls a partition function on the joint forward+backward graph; Inductor accepts one
+as `custom_partitioner_fn` (after its own joint-graph passes), aot_eager as `partition_fn`. Ours
+runs the min-cut rematerialization partitioner unchanged and then adds the bucketed all-reduce to
+the backward it produced (ddp/in_graph/graph_pass.py). Its `uuid` names everything that shapes
+the output graphs (this package's code, the bucket plan, the process group, the world size, the
+accumulation inputs), so compiled artifacts from a cache are only reused when they are the same.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch.fx as fx
+
+from ddp.bucketing.grad_buckets import GradBucketPlan
+from ddp.in_graph.graph_pass import add_accumulated, insert_bucketed_all_reduce
+
+
+def _code_hash() -> str:
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(here.glob("*.py")) + sorted((here.parent / "bucketing").glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+_CODE_HASH = _code_hash()
+
+
+class InGraphPartitioner:
+    """`(joint, joint_inputs, **kwargs) -> (forward, backward)` with the plan's all-reduces in backward."""
+
+    def __init__(
+        self,
+        plan: GradBucketPlan,
+        *,
+        group_name: str,
+        world_size: int,
+        accumulated_input_of: Mapping[int, int] | None = None,
+        on_partitioned: Callable[[list[str]], None] = lambda after: None,
+    ) -> None:
+        self.plan = plan
+        self.group_name = group_name
+        self.world_size = world_size
+        self.accumulated_input_of = dict(accumulated_input_of or {})
+        self.on_partitioned = on_partitioned
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from functorch.compile import min_cut_rematerialization_partition
+
+        if self.accumulated_input_of:
+            add_accumulated(joint, self.accumulated_input_of)
+        kwargs.setdefault("compiler", "inductor")  # what Inductor passes, and min-cut's own default
+        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        after = insert_bucketed_all_reduce(backward, self.plan, group_name=self.group_name, world_size=self.world_size)
+        self.on_partitioned(after)
+        return forward, backward
+
+    def uuid(self) -> str:
+        plan = [(b.params, b.input_indices, b.nbytes, b.key) for b in self.plan.buckets]
+        key = repr((_CODE_HASH, plan, self.group_name, self.world_size, sorted(self.accumulated_input_of.items())))
+        return hashlib.sha256(key.encode()).hexdigest()
