@@ -109,7 +109,7 @@ def trainer(
             f"got script={script!r} and m={m!r}: pass exactly one (--script path/to/train.py or -m pkg.module)"
         )
     torchx_dist.parse_nnodes(j)  # raises a ValueError naming the bad -j before anything else is built
-    _check_hang(hang_timeout, hang_first_step_timeout, heartbeat_dir)
+    hang_timeout, hang_first_step_timeout = _check_hang(hang_timeout, hang_first_step_timeout, heartbeat_dir)
     backend = _resolve_backend(dist_backend, gpu=gpu, h=h)
     names = StructuredNameArgument.parse_from(name=name, m=m, script=script)
 
@@ -146,25 +146,39 @@ def trainer(
     command = role.args[1]
     if hang_timeout is not None:
         # torchrun becomes the watchdog's child; the watchdog forwards the scheduler's signals to it.
-        first = "" if hang_first_step_timeout is None else f" --first-step-timeout {float(hang_first_step_timeout)!r}"
-        command = f"python3 -m launch.watchdog --hang-timeout {float(hang_timeout)!r}{first} -- {command}"
+        first = "" if hang_first_step_timeout is None else f" --first-step-timeout {hang_first_step_timeout!r}"
+        command = f"python3 -m launch.watchdog --hang-timeout {hang_timeout!r}{first} -- {command}"
     role.args = ["-c", f"{cache_prelude(inductor_cache_dir)} && exec {command}"]
     return app
 
 
-def _check_hang(hang_timeout: Optional[float], first_step: Optional[float], heartbeat_dir: Optional[str]) -> None:
-    def seconds(x: Optional[float]) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
+def _seconds(name: str, value: object) -> Optional[float]:
+    """None, or a finite number of seconds > 0. torchx 0.7.0 hands Optional[float] arguments over as the
+    command line's strings, so numeric strings are accepted too."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+    except ValueError:
+        seconds = None
+    if seconds is None or not 0 < seconds < float("inf"):
+        raise ValueError(f"{name}={value!r}: expected a number of seconds > 0 (e.g. 300)")
+    return seconds
 
+
+def _check_hang(hang_timeout: object, first_step: object,
+                heartbeat_dir: Optional[str]) -> "tuple[Optional[float], Optional[float]]":
+    """The validated (hang_timeout, hang_first_step_timeout) as floats."""
     if hang_timeout is None:
         if first_step is not None or heartbeat_dir is not None:
             raise ValueError("hang_first_step_timeout and heartbeat_dir need hang_timeout (hang detection is off "
                              "without it); pass --hang_timeout SECONDS")
-        return
-    if not seconds(hang_timeout):
-        raise ValueError(f"hang_timeout={hang_timeout!r}: expected a number of seconds > 0 (e.g. 300)")
-    if first_step is not None and (not seconds(first_step) or first_step < hang_timeout):
-        raise ValueError(f"hang_first_step_timeout={first_step!r}: expected seconds >= hang_timeout ({hang_timeout!r})")
+        return None, None
+    timeout = _seconds("hang_timeout", hang_timeout)
+    first = _seconds("hang_first_step_timeout", first_step)
+    if first is not None and first < timeout:
+        raise ValueError(f"hang_first_step_timeout={first_step!r}: expected seconds >= hang_timeout ({timeout:g})")
+    return timeout, first
 
 
 def _resolve_backend(dist_backend: str, *, gpu: int, h: Optional[str]) -> str:

@@ -20,6 +20,7 @@ from launch.net import free_port
 from launch.watchdog import Hang, HangPolicy, dump_stacks, find_hang, format_stack
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(120)  # the slowest starts a worker (imports torch) or `python -m launch`
 
 
 @pytest.fixture
@@ -316,12 +317,15 @@ def test_component_runs_torchrun_under_the_watchdog_only_when_asked():
     first = components.trainer(script="a.py", hang_timeout=30, hang_first_step_timeout=1200)
     assert "--hang-timeout 30.0 --first-step-timeout 1200.0 -- torchrun" in first.roles[0].args[1]
     assert components.HEARTBEAT_DIR_ENV == heartbeat.HEARTBEAT_DIR_ENV  # the component keeps its own copy
+    # `torchx run ... --hang_timeout 30` hands the value over as the string "30" (torchx 0.7.0)
+    assert "--hang-timeout 30.0 --" in components.trainer(script="a.py", hang_timeout="30").roles[0].args[1]
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"hang_timeout": 0.0}, "hang_timeout=0.0: expected a number of seconds > 0"),
     ({"hang_timeout": 10.0, "hang_first_step_timeout": 1.0},
      "hang_first_step_timeout=1.0: expected seconds >= hang_timeout"),
+    ({"hang_timeout": "soon"}, "hang_timeout='soon': expected a number of seconds > 0"),
     ({"heartbeat_dir": "/tmp/hb"}, "need hang_timeout"),
 ])
 def test_component_rejects_bad_hang_options(kwargs, message):
