@@ -151,7 +151,7 @@ def dump_stacks(directory: str, records: Sequence[Record], want: int, wait: floa
         size = os.path.getsize(path)
         if size != last_size:
             last_size, stable_since = size, time.monotonic()
-        elif size > before and time.monotonic() - stable_since > 0.3:
+        elif size > before and time.monotonic() - stable_since > 0.5:
             break
         time.sleep(0.05)
     with open(path, errors="replace") as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -117,7 +118,8 @@ def test_worker_records_the_rank_and_dumps_its_stack_on_sigusr1(tmp_path):
         assert (rec.rank, rec.local_rank, rec.pid, rec.beats, rec.phase) == (5, 1, proc.pid, 0, "start")
         assert json.loads((err_dir / "launch_rank.json").read_text())["rank"] == 5  # for the SIGKILL report
         stack = dump_stacks(str(hb), [rec], want=5)
-        assert f'File "{script}", line 3 in <module>' in stack
+        # line 2 (print) or 3 (sleep): under load the signal may land before the print call has returned
+        assert re.search(rf'File "{re.escape(str(script))}", line [23] in <module>', stack), stack
         assert proc.poll() is None  # the dump does not disturb the rank
     finally:
         proc.kill()
