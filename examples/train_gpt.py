@@ -2,6 +2,7 @@
 
     python -m launch examples/train_gpt.py --steps 20                    # 2 gloo ranks on CPU
     python -m launch --nproc-per-node auto examples/train_gpt.py          # one rank per GPU (nccl)
+    python -m launch --hang-timeout 300 examples/train_gpt.py             # stop a hung job (exit 3)
     torchx run -s local_cwd launch/components.py:trainer --script examples/train_gpt.py
 
 Why it exists: it is the end-to-end check that the launcher, DDP and the compile core work together,
@@ -33,6 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
+from launch import heartbeat  # noqa: E402  (torch-free; a no-op unless launched with --hang-timeout)
 
 BACKEND_ENV = "DDP_COMPILE_BACKEND"
 MODES = ("train_step", "compile", "eager")
@@ -158,6 +160,9 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
         loss = step(x, y)
         loss_value = loss.item()  # host sync: the step time below covers the whole step
         dt = time.perf_counter() - t0
+        # Progress for `python -m launch --hang-timeout`. Compiled modes also beat inside compile_core;
+        # this one covers eager mode, and comes after the step so a first-step compile stays in the grace.
+        heartbeat.beat()
         times.append(dt)
         say(f"step {i + 1:4d}/{cfg.steps}  loss {loss_value:.4f}  {dt * 1e3:8.1f} ms  "
             f"{tokens_per_step / dt:10.0f} tok/s", flush=True)

@@ -16,6 +16,10 @@ they live in the AppDef itself rather than in the local launcher:
 * optionally (``record``, on by default) the script runs under ``launch.worker``, which wraps it in
   torchelastic's ``@record``: a failing rank leaves its exception in the torchelastic error file, so the
   job's failure report names the rank and its real exception instead of a bare ``ChildFailedError``.
+* optionally (``hang_timeout``) hang detection: torchrun runs under ``python3 -m launch.watchdog`` on each
+  node, which stops the job (exit 3) when every rank's heartbeats stop, naming the stuck rank with its
+  Python stack (rules in launch/watchdog.py). The watchdog runs on the node because heartbeats are shared
+  memory maps (microseconds per beat) and stacks are fetched with SIGUSR1: both need the rank's host.
 
 Everything else (``-j``, rendezvous, retries, resources, mounts) is delegated to
 ``torchx.components.dist.ddp``. This file is also executed standalone by
@@ -37,6 +41,8 @@ BACKEND_ENV = "DDP_COMPILE_BACKEND"
 # Default cache location, expanded by bash on each node (so the uid is the node's, not the submitter's).
 DEFAULT_CACHE_DIR = "${TMPDIR:-/tmp}/ddp_compile_inductor_$(id -u)"
 _BACKENDS = ("auto", "gloo", "nccl")
+# Same value as launch.heartbeat.HEARTBEAT_DIR_ENV (a unit test checks): this file must stay self-contained.
+HEARTBEAT_DIR_ENV = "DDP_LAUNCH_HEARTBEAT_DIR"
 
 
 def trainer(
@@ -58,6 +64,9 @@ def trainer(
     torch_logs: Optional[str] = None,
     trace_dir: Optional[str] = None,
     record: bool = True,
+    hang_timeout: Optional[float] = None,
+    hang_first_step_timeout: Optional[float] = None,
+    heartbeat_dir: Optional[str] = None,
     mounts: Optional[List[str]] = None,
     debug: bool = False,
 ) -> specs.AppDef:
@@ -84,6 +93,9 @@ def trainer(
         torch_logs: value for TORCH_LOGS on every rank (e.g. +dynamo,graph_breaks,recompiles)
         trace_dir: directory for TORCH_TRACE structured compile traces (read them with tlparse)
         record: run the script under launch.worker so a failing rank records its exception (needs this package on the nodes)
+        hang_timeout: seconds without heartbeats from every rank before the job is stopped as hung (exit 3), naming the stuck rank and its stack; off by default (needs this package on the nodes)
+        hang_first_step_timeout: grace before a rank's second heartbeat and during compiles; default max(10 x hang_timeout, 600)
+        heartbeat_dir: directory for the ranks' heartbeat records and stack dumps (on the nodes); default a private temp dir per node
         mounts: mounts for container schedulers (type=bind,src=/host,dst=/job[,readonly])
         debug: enable torchx's preset distributed debug environment variables
     """
@@ -97,6 +109,7 @@ def trainer(
             f"got script={script!r} and m={m!r}: pass exactly one (--script path/to/train.py or -m pkg.module)"
         )
     torchx_dist.parse_nnodes(j)  # raises a ValueError naming the bad -j before anything else is built
+    hang_timeout, hang_first_step_timeout = _check_hang(hang_timeout, hang_first_step_timeout, heartbeat_dir)
     backend = _resolve_backend(dist_backend, gpu=gpu, h=h)
     names = StructuredNameArgument.parse_from(name=name, m=m, script=script)
 
@@ -120,7 +133,7 @@ def trainer(
         gpu=gpu,
         memMB=memMB,
         j=j,
-        env=_job_env(env, backend=backend, torch_logs=torch_logs, trace_dir=trace_dir),
+        env=_job_env(env, backend=backend, torch_logs=torch_logs, trace_dir=trace_dir, heartbeat_dir=heartbeat_dir),
         max_retries=max_retries,
         rdzv_port=rdzv_port,
         mounts=mounts,
@@ -130,8 +143,42 @@ def trainer(
     role.name = torchx_dist.get_role_name(script, m)  # the user's script, not launch.worker
     # dist.ddp's entrypoint is `bash -c "torchrun ..."`: run the cache prelude first, then exec torchrun
     # so that the scheduler's SIGTERM reaches torchrun (which forwards it to every rank).
-    role.args = ["-c", f"{cache_prelude(inductor_cache_dir)} && exec {role.args[1]}"]
+    command = role.args[1]
+    if hang_timeout is not None:
+        # torchrun becomes the watchdog's child; the watchdog forwards the scheduler's signals to it.
+        first = "" if hang_first_step_timeout is None else f" --first-step-timeout {hang_first_step_timeout!r}"
+        command = f"python3 -m launch.watchdog --hang-timeout {hang_timeout!r}{first} -- {command}"
+    role.args = ["-c", f"{cache_prelude(inductor_cache_dir)} && exec {command}"]
     return app
+
+
+def _seconds(name: str, value: object) -> Optional[float]:
+    """None, or a finite number of seconds > 0. torchx 0.7.0 hands Optional[float] arguments over as the
+    command line's strings, so numeric strings are accepted too."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+    except ValueError:
+        seconds = None
+    if seconds is None or not 0 < seconds < float("inf"):
+        raise ValueError(f"{name}={value!r}: expected a number of seconds > 0 (e.g. 300)")
+    return seconds
+
+
+def _check_hang(hang_timeout: object, first_step: object,
+                heartbeat_dir: Optional[str]) -> "tuple[Optional[float], Optional[float]]":
+    """The validated (hang_timeout, hang_first_step_timeout) as floats."""
+    if hang_timeout is None:
+        if first_step is not None or heartbeat_dir is not None:
+            raise ValueError("hang_first_step_timeout and heartbeat_dir need hang_timeout (hang detection is off "
+                             "without it); pass --hang_timeout SECONDS")
+        return None, None
+    timeout = _seconds("hang_timeout", hang_timeout)
+    first = _seconds("hang_first_step_timeout", first_step)
+    if first is not None and first < timeout:
+        raise ValueError(f"hang_first_step_timeout={first_step!r}: expected seconds >= hang_timeout ({timeout:g})")
+    return timeout, first
 
 
 def _resolve_backend(dist_backend: str, *, gpu: int, h: Optional[str]) -> str:
@@ -147,6 +194,7 @@ def _job_env(
     backend: str,
     torch_logs: Optional[str],
     trace_dir: Optional[str],
+    heartbeat_dir: Optional[str],
 ) -> Dict[str, str]:
     env: Dict[str, str] = {
         BACKEND_ENV: backend,
@@ -159,6 +207,8 @@ def _job_env(
         env["TORCH_LOGS"] = torch_logs
     if trace_dir:
         env["TORCH_TRACE"] = trace_dir
+    if heartbeat_dir:
+        env[HEARTBEAT_DIR_ENV] = heartbeat_dir
     env.update(user_env or {})  # the user's explicit values win
     return env
 

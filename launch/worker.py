@@ -6,21 +6,75 @@ failure summary then carries the real traceback rather than "To enable traceback
 a small ``launch_failure.json`` next to that error file with the global rank, so ``python -m launch`` can
 say *which* rank failed first even on multi-node jobs (the error file path only knows the local rank).
 
+Two more records, for what a rank cannot say once it is dead or stuck:
+
+* ``launch_rank.json`` (same directory, written at start): global rank, local rank, host and pid, so a rank
+  later killed by a signal (SIGKILL, OOM) is named with its real host name.
+* with hang detection on (``DDP_LAUNCH_HEARTBEAT_DIR`` set): the rank's heartbeat record
+  (``launch.heartbeat.start()``), and faulthandler registered on SIGUSR1 into ``rank<R>.stack`` in that
+  directory, so the watchdog can fetch the Python stack of a stuck rank (faulthandler dumps from its C
+  signal handler, even while the rank blocks inside a collective).
+
 The script sees the same ``sys.argv``, ``sys.path[0]`` and ``__name__ == "__main__"`` as under
 ``python script.py`` / ``python -m module``. This module imports nothing of the compile stack.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
+import signal
 import socket
 import sys
 import time
 import traceback
 
 FAILURE_FILE = "launch_failure.json"
+RANK_FILE = "launch_rank.json"
 _USAGE = "usage: python -m launch.worker {script PATH | module NAME} [ARGS...]"
+
+
+def _rank_info() -> dict:
+    return {
+        "rank": int(os.environ.get("RANK", "-1")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
+        "group_rank": int(os.environ.get("GROUP_RANK", "-1")),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+def _write_rank_file() -> None:
+    """Who this rank is, beside the torchelastic error file (only when run under torchrun)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return
+    try:
+        os.makedirs(os.path.dirname(error_file), exist_ok=True)
+        with open(os.path.join(os.path.dirname(error_file), RANK_FILE), "w") as f:
+            json.dump({**_rank_info(), "time": time.time()}, f)
+    except OSError:
+        pass  # a convenience for the failure report; never stop the rank over it
+
+
+_stack_file = None  # kept open for the process lifetime: faulthandler writes to its descriptor
+
+
+def _start_heartbeat() -> None:
+    """With hang detection on: create the heartbeat record and let SIGUSR1 dump every thread's stack."""
+    global _stack_file
+    from launch import heartbeat
+
+    directory = os.environ.get(heartbeat.HEARTBEAT_DIR_ENV)
+    if not directory or heartbeat.start() is None:
+        return
+    try:
+        _stack_file = open(heartbeat.stack_path(directory, int(os.environ.get("RANK", "0"))), "w")
+    except OSError as exc:
+        print(f"launch.worker: no stack dumps for the hang report: {exc}", file=sys.stderr)
+        return
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
 
 
 def _write_failure(exc: BaseException) -> None:
@@ -29,11 +83,7 @@ def _write_failure(exc: BaseException) -> None:
     if not error_file:
         return
     info = {
-        "rank": int(os.environ.get("RANK", "-1")),
-        "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
-        "group_rank": int(os.environ.get("GROUP_RANK", "-1")),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
+        **_rank_info(),
         "time": time.time(),
         "exception": f"{type(exc).__name__}: {exc}",
         "traceback": _user_traceback(exc),
@@ -75,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) < 2 or argv[0] not in ("script", "module"):
         raise SystemExit(f"launch.worker: got {argv[:2]!r}; {_USAGE}")
     kind, target, args = argv[0], argv[1], argv[2:]
+    _write_rank_file()
+    _start_heartbeat()  # before the torch import below: the record exists within milliseconds of the start
 
     # Imported here, not at module level: keeps `import launch.worker` free of torch for tooling.
     from torch.distributed.elastic.multiprocessing.errors import record

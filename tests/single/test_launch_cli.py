@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from launch import args as launch_args
 from launch import cli
 from launch.components import cache_prelude, trainer
 
@@ -24,7 +25,7 @@ def test_visible_gpus_follows_cuda_visible_devices(monkeypatch, cvd, expected):
 
 
 def test_auto_is_two_gloo_ranks_without_gpus(monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(launch_args, "visible_gpus", lambda: 0)
     script = tmp_path / "s.py"
     script.write_text("")
     cfg = cli.parse_args([str(script), "--lr", "1"])
@@ -32,7 +33,7 @@ def test_auto_is_two_gloo_ranks_without_gpus(monkeypatch, tmp_path):
 
 
 def test_auto_is_one_nccl_rank_per_gpu(monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "visible_gpus", lambda: 4)
+    monkeypatch.setattr(launch_args, "visible_gpus", lambda: 4)
     script = tmp_path / "s.py"
     script.write_text("")
     cfg = cli.parse_args(["--nproc-per-node", "auto", str(script)])

@@ -1,0 +1,158 @@
+"""Fault suite, launcher cases: a rank SIGKILLed mid-step, and a rank hung after step 2 under
+`python -m launch --hang-timeout`. Each asserts the outcome (which rank, why), the wall time from the fault
+to the launcher's exit, and that no process of the job is left.
+
+Every job runs a rank script written to tmp_path under a directory whose name is a unique marker; the
+launcher's processes carry it in their command line or environment. On any exit from a test (including a
+pytest-timeout, which raises inside the test) the fixture kills every process still carrying the marker:
+torchx starts each node in its own session and torchrun each rank in its own, so killing the launcher's
+process group would not be enough.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from launch.net import free_port
+from tests.multi_gpu.test_launch import _procs_with
+
+pytestmark = pytest.mark.multi_gpu
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Steps: heartbeat, all-reduce, print. FAULT picks what rank 1 does once steps 1 and 2 are done.
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, time
+    import torch
+    import torch.distributed as dist
+    from launch import heartbeat
+
+    backend = os.environ["DDP_COMPILE_BACKEND"]
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = "cuda"
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    fault = os.environ["FAULT"]
+
+
+    def hang_forever():
+        print(f"FAULT_AT {time.time():.3f}", flush=True)
+        time.sleep(3600)  # the line the hang report must show
+
+
+    t = torch.ones(4, device=device)
+    for step in range(1, 1000):
+        if rank == 1 and step == 3:
+            time.sleep(1.0)  # let rank 0 enter step 3's all-reduce first: it must be blocked in a collective
+            if fault == "sigkill":
+                print(f"FAULT_AT {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "hang":
+                hang_forever()
+        heartbeat.beat()
+        dist.all_reduce(t)
+        print(f"rank {rank} step {step} done", flush=True)
+        if step == 2:
+            time.sleep(0.5)
+    """
+)
+
+
+def _kill_marked(marker: str) -> None:
+    for entry in _procs_with(marker):
+        try:
+            os.kill(int(entry.split(":", 1)[0]), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def fault_job(tmp_path: Path):
+    """`fault_job(fault, *launch_args)` runs the rank script through the launcher; returns (result, end time)."""
+    marker = f"faulttest_{uuid.uuid4().hex[:12]}"
+    workdir = tmp_path / marker
+    workdir.mkdir()
+    script = workdir / "rank_script.py"
+    script.write_text(RANK_SCRIPT)
+
+    def run(fault: str, *launch_args: str, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+        cmd = [sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(free_port()),
+               "--log-dir", str(workdir / "logs"), *launch_args, str(script)]
+        env = dict(os.environ, FAULT=fault)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_marked(marker)
+            out, err = proc.communicate()
+            pytest.fail(f"launcher did not finish within {timeout}s; stdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.time()
+
+    run.marker = marker
+    run.script = script
+    try:
+        yield run
+        deadline = time.monotonic() + 5
+        while (left := _procs_with(marker)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"processes left behind: {left}"
+    finally:
+        _kill_marked(marker)  # also on a pytest-timeout, which raises inside the test
+
+
+def _fault_time(stdout: str) -> float:
+    m = re.search(r"FAULT_AT (\d+\.\d+)", stdout)
+    assert m, f"rank 1 never reached the fault; stdout:\n{stdout[-3000:]}"
+    return float(m.group(1))
+
+
+@pytest.mark.timeout(180)
+def test_sigkilled_rank_is_named_with_its_signal(fault_job):
+    res, end = fault_job("sigkill", timeout=150)
+    after_fault = end - _fault_time(res.stdout)
+    print(f"SIGKILL: launcher exited {after_fault:.1f} s after the kill")
+
+    assert res.returncode == 1, res.stderr
+    assert after_fault <= 60, f"{after_fault:.1f} s from the kill to the launcher's exit"
+    assert "rank 0 step 2 done" in res.stdout  # the kill came mid-run, after step 2
+    summary = [line for line in res.stderr.splitlines() if line.startswith("launch: job FAILED")]
+    assert summary == [f"launch: job FAILED: rank 1 (local rank 1 on {socket.gethostname()}) "
+                       "was killed by signal SIGKILL (9)"], res.stderr
+
+
+@pytest.mark.timeout(180)
+def test_hung_rank_is_named_with_host_and_stack(fault_job):
+    hang_timeout = 10
+    res, end = fault_job("hang", "--hang-timeout", str(hang_timeout), timeout=150)
+    after_fault = end - _fault_time(res.stdout)
+    print(f"hang: launcher exited {after_fault:.1f} s after rank 1 stopped (hang timeout {hang_timeout} s)")
+
+    assert res.returncode == 3, res.stderr
+    assert after_fault <= hang_timeout + 30, f"{after_fault:.1f} s from the hang to the launcher's exit"
+    lines = res.stderr.splitlines()
+    summary = [line for line in lines if line.startswith("launch: job HUNG")]
+    assert len(summary) == 1, res.stderr
+    assert re.fullmatch(
+        rf"launch: job HUNG: rank 1 \(host {re.escape(socket.gethostname())}, pid \d+\) made no progress for "
+        r"\d+\.\d s \(last heartbeat: step\) -- stopping the job", summary[0]), summary[0]
+    idle = float(re.search(r"for (\d+\.\d) s", summary[0]).group(1))
+    assert hang_timeout <= idle <= hang_timeout + 10
+    stack = "\n".join(line for line in lines if line.startswith("  [rank1] "))
+    sleep_line = RANK_SCRIPT.splitlines().index("    time.sleep(3600)  # the line the hang report must show") + 1
+    assert f'File "{fault_job.script}", line {sleep_line} in hang_forever' in stack, res.stderr
+    assert "launch.worker" not in stack and "runpy" not in stack  # trampoline frames are left out
