@@ -211,3 +211,70 @@ def with_extra_inputs(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     if hasattr(gm, "_param_name_to_source"):
         copy._param_name_to_source = gm._param_name_to_source
     return copy
+
+
+def save_for_backward(forward: fx.GraphModule, backward: fx.GraphModule, fw_node: fx.Node) -> fx.Node:
+    """Make the partitioned `forward` save `fw_node` for `backward`; return its placeholder there.
+
+    AOTAutograd's partitioned graphs talk through the forward's extra outputs: after the user
+    outputs come the saved tensors, then the saved symbolic sizes; the backward's placeholders list
+    the same values in the same order, then the tangents (`_functorch/partitioners.py`,
+    `_aot_autograd/graph_compile.py`, which counts saved values from these graphs). A value already
+    saved is reused. Call before the graphs are compiled.
+    """
+    fw_out = next(n for n in forward.graph.nodes if n.op == "output")
+    outputs = list(fw_out.args[0])
+    bw_placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    n_saved = len(bw_placeholders) - sum(1 for n in bw_placeholders if n.name.startswith("tangents"))
+    saved = outputs[len(outputs) - n_saved:]
+    for value, placeholder in zip(saved, bw_placeholders):
+        if value is fw_node:
+            return placeholder
+    tensors = [n for n in saved if isinstance(n.meta.get("val"), torch.Tensor)]
+    position = len(outputs) - n_saved + len(tensors)  # saved tensors come before saved sizes
+    outputs.insert(position, fw_node)
+    fw_out.args = (tuple(outputs),)
+    forward.recompile()
+    anchor = bw_placeholders[len(tensors) - 1] if tensors else None
+    if anchor is None:
+        with backward.graph.inserting_before(bw_placeholders[0] if bw_placeholders else None):
+            placeholder = backward.graph.placeholder(f"saved_{fw_node.name}")
+    else:
+        with backward.graph.inserting_after(anchor):
+            placeholder = backward.graph.placeholder(f"saved_{fw_node.name}")
+    placeholder.meta.update(fw_node.meta)
+    backward.recompile()
+    return placeholder
+
+
+def capture_functional(
+    fn: Callable[..., Any], args: list[torch.Tensor], *, decompositions: dict | None = None
+) -> tuple[fx.GraphModule, list[int | None]]:
+    """`fn(*args)` as an aten graph without in-place ops except the final `copy_` into mutated inputs.
+
+    Runs `fn` once (through Dynamo, on `args`, which it may mutate) and keeps the graph that
+    AOTAutograd makes of it for inference with `keep_inference_input_mutations`. Returns the graph
+    and, for each arg, its position among the graph's inputs (None when the graph never reads it):
+    Dynamo orders a graph's inputs by first use, not by argument order.
+    """
+    captured: dict[str, Any] = {}
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        order = [id(x) for x in example_inputs]
+        captured["positions"] = [order.index(id(a)) if id(a) in order else None for a in args]
+
+        def keep(graph: fx.GraphModule, inputs: list) -> Callable[..., Any]:
+            captured["graph"] = graph
+            from functorch.compile import make_boxed_func
+
+            return make_boxed_func(graph.forward)
+
+        return aot_autograd_backend(
+            fw_compiler=keep, keep_inference_input_mutations=True, decompositions=decompositions or {}
+        )(gm, example_inputs)
+
+    compiled = compile_with_guard_hook(fn, backend, on_guard_fail=lambda reason, where: None,
+                                       fullgraph=True, isolate_recompiles=True)
+    with torch.no_grad():
+        compiled(*args)
+    return captured["graph"], captured["positions"]

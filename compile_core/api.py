@@ -28,6 +28,7 @@ from ddp.alignment import ReducerAlignment
 from ddp.bucketing import MiB
 from ddp.in_graph import InGraphReducer, in_graph_blocker
 from ddp.splitter import DDPSplitter, SplitGraph, SplitterConfig
+from launch.heartbeat import beat
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class CompiledModel:
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         # Between iterations, before DDP's pre-forward: the only safe moment to swap DDP's reducer.
+        beat()  # progress, for a launcher watching for hangs (launch/heartbeat.py)
         self._alignment.before_forward(self._calls)
         if self._in_graph is not None:
             self._in_graph.before_forward()
@@ -215,6 +217,11 @@ class CompiledModel:
             observed_alignment=self._alignment.observed(),
             notes=self._alignment.notes,
         )
+
+    @property
+    def in_graph(self) -> InGraphReducer | None:
+        """The reducer of `ddp="in_graph"` mode (None in other modes)."""
+        return self._in_graph
 
     @property
     def module(self) -> torch.nn.Module:

@@ -60,9 +60,11 @@ from torch.nn.parallel import DistributedDataParallel
 from aot.torch_dynamo import DynamoError
 from compile_core.events import CompileEvents
 from compile_core.hyperparams import HyperparamPins, last_lr_as_floats
+from compile_core.in_backward import InBackwardController
 from compile_core.step_config import TrainStepConfig
 from compile_core.step_report import OptimizerReport, TrainStepReport
 from compile_core.update import CompiledUpdate
+from launch.heartbeat import beat
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +102,24 @@ class TrainStep:
         """True when the last call applied an optimizer update."""
         self.last_grad_norm: torch.Tensor | None = None
         """Total gradient norm before clipping at the last update (a tensor; None without clipping)."""
+        self._in_backward: InBackwardController | None = None
+        if config.optimizer_in_backward:
+            self._in_backward = InBackwardController(
+                optimizer, self.compiled_model.in_graph, clip_max_norm=config.clip_grad_norm
+            )
+            if self._in_backward.reason is not None:
+                logger.warning("train_step: optimizer update stays after the backward: %s", self._in_backward.reason)
 
     # -- the step -------------------------------------------------------------------------------
     def __call__(self, *args: Any, target: Any = None) -> torch.Tensor:
         """`step(*inputs, target)` or `step(*inputs, target=target)`: one micro-batch."""
         inputs, target = _split_args(args, target)
+        beat()  # progress, for a launcher watching for hangs (launch/heartbeat.py)
         sync = self.pending_micro_batches == self.config.accum_steps - 1
+        if sync and self._in_backward is not None:
+            self._in_backward.before_sync_step()
+            if self._in_backward.active:
+                self._pins.sync()  # the backward reads the scheduler's current lr/betas
         loss = self._forward_backward(inputs, target, sync=sync)
         self._micro_batches += 1
         self.applied = sync
@@ -131,6 +145,34 @@ class TrainStep:
 
     def _apply_update(self) -> None:
         index = self._updates + 1
+        controller = self._in_backward
+        if controller is not None and controller.applied():
+            norm = controller.updates.norm  # the backward already updated every parameter
+        elif controller is not None and controller.reason is None:
+            # Update 1 runs eagerly: it creates the optimizer state the backward will update.
+            self._pins.install()
+            norm = self._eager_update()
+            controller.after_update(index)
+        else:
+            norm = self._normal_update(index)
+        self.last_grad_norm = None if norm is None else norm.detach().clone()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+            last_lr_as_floats(self.lr_scheduler)
+        self._updates = index
+        logger.info(
+            "train_step: update %d applied after %d micro-batch(es) (optimizer %s, %s)",
+            index, self.config.accum_steps, type(self.optimizer).__name__, self._update_mode(),
+        )
+
+    def _update_mode(self) -> str:
+        if self._in_backward is not None and self._in_backward.active:
+            return "inside the backward"
+        return "compiled" if self._opt_fallback is None else "eager"
+
+    def _normal_update(self, index: int) -> torch.Tensor | None:
+        """clip + optimizer.step() after the backward, compiled (eager once that failed)."""
         if self._update is None and self._opt_fallback is None:
             self._update = self._build_update()
         if self._update is not None:
@@ -147,17 +189,7 @@ class TrainStep:
                     self._check_captured()
         else:
             norm = self._eager_update()
-        self.last_grad_norm = None if norm is None else norm.detach()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-            last_lr_as_floats(self.lr_scheduler)
-        self._updates = index
-        logger.info(
-            "train_step: update %d applied after %d micro-batch(es) (optimizer %s, %s)",
-            index, self.config.accum_steps, type(self.optimizer).__name__,
-            "compiled" if self._opt_fallback is None else "eager",
-        )
+        return norm
 
     def _update_fn(self) -> Callable[[], torch.Tensor | None]:
         params, max_norm, optimizer = self._params, self.config.clip_grad_norm, self.optimizer
@@ -172,7 +204,7 @@ class TrainStep:
         return update
 
     def _build_update(self) -> CompiledUpdate:
-        self._pins.install()
+        self._pins.install()  # idempotent
         return CompiledUpdate(self._update_fn(), self.config.backend, self._opt_events)
 
     def _eager_update(self) -> torch.Tensor | None:
@@ -213,6 +245,8 @@ class TrainStep:
         return TrainStepReport(
             model=model_report,
             optimizer=optimizer,
+            optimizer_in_backward=(self._in_backward.to_dict(True) if self._in_backward is not None
+                                   else {"requested": False, "active": False}),
             backend=backend,
             accum_steps=self.config.accum_steps,
             micro_batches=self._micro_batches,
@@ -241,6 +275,7 @@ def train_step(
     clip_grad_norm: float | None = None,
     autocast: torch.dtype | None = None,
     lr_scheduler: Any = None,
+    optimizer_in_backward: bool = False,
     **compile_kwargs: Any,
 ) -> TrainStep:
     """Build a compiled training step: `loss = step(*inputs, target)`.
@@ -249,6 +284,8 @@ def train_step(
     `loss / accum_steps`); every `accum_steps`-th call also clips (if `clip_grad_norm`), runs the
     compiled `optimizer.step()`, `optimizer.zero_grad(set_to_none=True)` and `lr_scheduler.step()`
     (if given). Returns the micro-batch loss, detached. `compile_kwargs` go to `compile_core.compile`.
+    `optimizer_in_backward=True` (with `ddp="in_graph"`): from update 2 each bucket's parameters are
+    updated inside the compiled backward as soon as its all-reduce lands (compile_core/in_backward.py).
     Raises TypeError/ValueError for bad arguments before any compile work.
     """
     config = TrainStepConfig(
@@ -257,6 +294,7 @@ def train_step(
         accum_steps=accum_steps,
         clip_grad_norm=clip_grad_norm,
         autocast=autocast,
+        optimizer_in_backward=optimizer_in_backward,
         compile_kwargs=dict(compile_kwargs),
     )
     return TrainStep(model, optimizer, loss_fn, config, lr_scheduler=lr_scheduler)

@@ -27,6 +27,8 @@ class TrainStepConfig:
     """Max global L2 norm of the (all-reduced) gradients before the update; None disables clipping."""
     autocast: torch.dtype | None = None
     """Autocast dtype for forward + loss (torch.bfloat16 or torch.float16); None runs in full precision."""
+    optimizer_in_backward: bool = False
+    """Update each bucket's parameters inside the compiled backward (needs ddp="in_graph")."""
     compile_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Extra keyword arguments for compile_core.compile (bucket_cap_mb, fullgraph, mode, ...)."""
 
@@ -56,6 +58,13 @@ class TrainStepConfig:
             raise ValueError(
                 f"autocast={self.autocast!r}: expected torch.bfloat16, torch.float16 or None "
                 "(None runs forward and loss in full precision)"
+            )
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise TypeError(f"optimizer_in_backward={self.optimizer_in_backward!r}: expected True or False")
+        if self.optimizer_in_backward and self.ddp != "in_graph":
+            raise ValueError(
+                f"optimizer_in_backward=True needs ddp='in_graph' (got ddp={self.ddp!r}): the update runs where "
+                "the compiled backward all-reduces each bucket"
             )
         if not isinstance(self.compile_kwargs, Mapping):
             raise TypeError(f"compile_kwargs={self.compile_kwargs!r}: expected a mapping of keyword arguments")

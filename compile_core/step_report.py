@@ -52,6 +52,8 @@ class TrainStepReport:
     """Calls so far."""
     updates: int
     """Optimizer updates applied so far."""
+    optimizer_in_backward: dict[str, Any] = dataclasses.field(default_factory=lambda: {"requested": False, "active": False})
+    """requested, active, from_update, updates_in_backward, clip (how), reason (why not)."""
 
     def _model_dict(self) -> dict[str, Any]:
         if self.model is None:
@@ -84,6 +86,7 @@ class TrainStepReport:
             accum_steps=self.accum_steps,
             micro_batches=self.micro_batches,
             updates=self.updates,
+            optimizer_in_backward=dict(self.optimizer_in_backward),
         )
         return out
 
@@ -103,6 +106,13 @@ class TrainStepReport:
                  f"micro_batches={self.micro_batches} updates={self.updates}"]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
         lines.append(f"  optimizer {opt['optimizer']}: {status}")
+        iob = self.optimizer_in_backward
+        if iob.get("requested"):
+            if iob.get("active"):
+                lines.append(f"  optimizer in backward: active from update {iob['from_update']}"
+                             + (f"; clipping: {iob['clip']}" if iob.get("clip") else ""))
+            else:
+                lines.append(f"  optimizer in backward: not active ({iob.get('reason') or 'from update 2'})")
         for b in opt["graph_breaks"]:
             lines.append(f"  optimizer graph break: {b['reason']}")
         for r in d["recompiles"]:

@@ -48,6 +48,14 @@ def compile_fx_with(
     return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=dict(config_patches or {}) or None)
 
 
+def decompositions() -> dict:
+    """Inductor's decomposition table (`torch/_inductor/decomposition.py`): graphs spliced into an
+    Inductor graph after AOTAutograd ran must already be in these terms."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
 def partitioner_patch(partition: Callable[..., Any], uuid: str) -> dict[str, Any]:
     """Inductor config that runs `partition(joint_gm, joint_inputs, **kwargs)` instead of min-cut.
 

@@ -32,13 +32,14 @@ the backward op after which its all-reduce is issued.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
-from aot.torch_dynamo import grad_outputs, graph_fake_mode, input_placeholders
+from aot.torch_dynamo import grad_outputs, graph_fake_mode, input_placeholders, save_for_backward
 from ddp.bucketing.grad_buckets import GradBucketPlan
 
 _ops = torch.ops.aten
@@ -52,15 +53,16 @@ class _Builder:
         self.graph = graph
         self.fake_mode = graph_fake_mode(graph)
 
-    def call(self, target: Any, args: Sequence[Any]) -> fx.Node:
-        node = self.graph.call_function(target, tuple(args))
+    def call(self, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> fx.Node:
+        node = self.graph.call_function(target, tuple(args), dict(kwargs or {}))
         with self.fake_mode:
-            node.meta["val"] = target(*fx.node.map_arg(tuple(args), lambda n: n.meta["val"]))
+            value = lambda n: n.meta["val"]  # noqa: E731
+            node.meta["val"] = target(*fx.node.map_arg(tuple(args), value), **fx.node.map_arg(dict(kwargs or {}), value))
         return node
 
-    def after(self, cursor: fx.Node, target: Any, args: Sequence[Any]) -> fx.Node:
+    def after(self, cursor: fx.Node, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> fx.Node:
         with self.graph.inserting_after(cursor):
-            return self.call(target, args)
+            return self.call(target, args, kwargs)
 
 
 def add_accumulated(joint: fx.GraphModule, accumulated_input_of: Mapping[int, int]) -> None:
@@ -74,27 +76,69 @@ def add_accumulated(joint: fx.GraphModule, accumulated_input_of: Mapping[int, in
         acc_index = accumulated_input_of.get(param_index)
         if acc_index is None:
             continue
-        with graph.inserting_before(output):
-            outputs[position] = builder.call(_ops.add.Tensor, [grad, placeholders[acc_index]])
+        # Right where the gradient is produced, so the bucket's all-reduce is not pushed to the end.
+        outputs[position] = builder.after(grad, _ops.add.Tensor, [grad, placeholders[acc_index]])
     output.args = (tuple(outputs),)
     graph.lint()
     joint.recompile()
 
 
+@dataclasses.dataclass(frozen=True)
+class UpdateTemplate:
+    """One parameter's optimizer update as a functional aten graph (built by compile_core.in_backward)."""
+
+    graph: fx.GraphModule
+    """Inputs in Dynamo's order; its only in-place ops are `copy_` into the parameter and state."""
+    positions: tuple[int | None, ...]
+    """Graph input position of each role: param, grad, *state tensors, *hyperparameter tensors."""
+    state_keys: tuple[str, ...]
+    """Keys of `optimizer.state[p]` passed as state tensors, in role order."""
+    hyper_keys: tuple[str, ...]
+    """Group hyperparameter tensors that follow ("lr", "beta1", "beta2")."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSpec:
+    """What the backward needs to update parameters in place (optimizer_in_backward)."""
+
+    templates: Mapping[int, UpdateTemplate]
+    """Parameter input index -> its update."""
+    role_inputs: Mapping[int, tuple[int, ...]]
+    """Parameter input index -> graph input indices of its state and hyperparameter tensors."""
+    clip_max_norm: float | None = None
+    """Clip the global norm of all reduced gradients first (all buckets wait, then all update)."""
+    norm_input: int | None = None
+    """Graph input index of a 0-dim tensor that receives the total norm (with clipping)."""
+
+
+@dataclasses.dataclass
+class _Issued:
+    members: list[tuple[int, fx.Node]]  # (output position, gradient node)
+    reduced: fx.Node  # the all_reduce node
+    index: int  # input indices follow `members`
+    input_indices: list[int]
+
+
 def insert_bucketed_all_reduce(
-    backward: fx.GraphModule, plan: GradBucketPlan, *, group_name: str, world_size: int
+    backward: fx.GraphModule, plan: GradBucketPlan, *, group_name: str, world_size: int,
+    forward: fx.GraphModule | None = None, updates: UpdateSpec | None = None,
 ) -> list[str]:
-    """Add one flat all-reduce per bucket of `plan` to `backward`; return, per bucket, the op it follows."""
+    """Add one flat all-reduce per bucket of `plan` to `backward`; return, per bucket, the op it follows.
+
+    With `updates` (and the partitioned `forward`, whose saved values may have to grow), each
+    bucket's parameters are updated once its all-reduce lands, and their gradients are not returned.
+    """
     graph = backward.graph
     builder = _Builder(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     grads = grad_outputs(graph)
     output = next(n for n in graph.nodes if n.op == "output")
     outputs = list(output.args[0])
-    issued: list[tuple[list[tuple[int, fx.Node]], fx.Node]] = []
+    issued: list[_Issued] = []
     after: list[str] = []
     for bucket in plan.buckets:
-        members = [grads[i] for i in bucket.input_indices if i in grads]
+        present = [i for i in bucket.input_indices if i in grads]
+        members = [grads[i] for i in present]
         if not members:
             after.append("(no gradient in this graph)")
             continue
@@ -102,23 +146,124 @@ def insert_bucketed_all_reduce(
         after.append(f"{last.name} ({last.target})")
         cursor, flat = last, []
         for _, node in members:
-            view = _ops.view.default if node.meta["val"].is_contiguous() else _ops.reshape.default
-            cursor = builder.after(cursor, view, [node, [-1]])
+            if not node.meta["val"].is_contiguous():
+                cursor = builder.after(cursor, _ops.clone.default, [node], {"memory_format": torch.contiguous_format})
+                node = cursor
+            cursor = builder.after(cursor, _ops.view.default, [node, [-1]])
             flat.append(cursor)
         cursor = builder.after(cursor, _ops.cat.default, [flat])
         cursor = builder.after(cursor, _ops.div.Tensor, [cursor, float(world_size)])
         cursor = builder.after(cursor, _c10d.all_reduce.default, [cursor, "sum", group_name])
-        issued.append((members, cursor))
-    # Waits as late as possible: just before the output that needs them.
-    for members, reduced in issued:
-        with graph.inserting_before(output):
-            done = builder.call(_c10d.wait_tensor.default, [reduced])
-            parts = builder.call(_ops.split_with_sizes.default, [done, [n.meta["val"].numel() for _, n in members]])
-            for k, (position, node) in enumerate(members):
-                part = graph.call_function(operator.getitem, (parts, k))
-                part.meta["val"] = parts.meta["val"][k]
-                outputs[position] = builder.call(_ops.view.default, [part, list(node.meta["val"].shape)])
+        issued.append(_Issued(members=members, reduced=cursor, index=len(issued), input_indices=present))
+    if updates is None:
+        # Waits as late as possible: just before the output that needs them.
+        for bucket in issued:
+            with graph.inserting_before(output):
+                for position, value in _wait_and_split(builder, bucket):
+                    outputs[position] = value
+    else:
+        if forward is None:
+            raise AssertionError("updates need the forward graph (its saved values)")
+        _insert_updates(forward, backward, builder, issued, updates, outputs)
     output.args = (tuple(outputs),)
     graph.lint()
     backward.recompile()
     return after
+
+
+def _wait_and_split(builder: _Builder, bucket: _Issued) -> list[tuple[int, fx.Node]]:
+    """wait_tensor on the bucket, then one gradient view per member: [(output position, view)]."""
+    graph = builder.graph
+    done = builder.call(_c10d.wait_tensor.default, [bucket.reduced])
+    parts = builder.call(_ops.split_with_sizes.default, [done, [n.meta["val"].numel() for _, n in bucket.members]])
+    views = []
+    for k, (position, node) in enumerate(bucket.members):
+        part = graph.call_function(operator.getitem, (parts, k))
+        part.meta["val"] = parts.meta["val"][k]
+        views.append((position, builder.call(_ops.view.default, [part, list(node.meta["val"].shape)])))
+    return views
+
+
+def _insert_updates(
+    forward: fx.GraphModule, backward: fx.GraphModule, builder: _Builder, issued: list[_Issued],
+    updates: UpdateSpec, outputs: list,
+) -> None:
+    """Each bucket: wait, then apply its parameters' updates, as soon as it is safe (see the Note)."""
+    graph = backward.graph
+    fw_inputs = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    saved: dict[int, fx.Node] = {}
+
+    def input_node(index: int) -> fx.Node:
+        if index not in saved:
+            saved[index] = save_for_backward(forward, backward, fw_inputs[index])
+        return saved[index]
+
+    for bucket in issued:
+        for index in bucket.input_indices:
+            if index in updates.templates:
+                input_node(index)
+                for extra in updates.role_inputs[index]:
+                    input_node(extra)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    ours = {n for n in graph.nodes}  # nodes that existed before the updates: the backward's own reads
+    output = next(n for n in graph.nodes if n.op == "output")
+    norm_node = input_node(updates.norm_input) if updates.norm_input is not None else None
+
+    def last_reader(bucket: _Issued) -> fx.Node:
+        readers = [u for i in bucket.input_indices if i in saved for u in saved[i].users if u in ours and u is not output]
+        return max(readers, key=order.__getitem__, default=bucket.reduced)
+
+    def finish(bucket: _Issued, views: list[tuple[int, fx.Node]], scale: fx.Node | None = None) -> None:
+        for (position, view), index in zip(views, bucket.input_indices):
+            if index not in updates.templates:
+                outputs[position] = view  # not the optimizer's: autograd stores its gradient as usual
+                continue
+            grad = view if scale is None else builder.call(_ops.mul.Tensor, [view, scale])
+            _apply_update(builder, updates, index, input_node, grad)
+            outputs[position] = None  # updated in place: no gradient is kept
+
+    if updates.clip_max_norm is not None:
+        # The global norm needs every reduced gradient: all buckets land first, as in
+        # `clip_grad_norm_` (norm of the per-gradient norms, coefficient clamped at 1).
+        with graph.inserting_before(output):
+            # Core aten ops only: nodes added after partitioning skip Inductor's decompositions.
+            views = [_wait_and_split(builder, b) for b in issued]
+            squares = [builder.call(_ops.sum.default, [builder.call(_ops.mul.Tensor, [v, v])]) for b in views for _, v in b]
+            squares = [builder.call(_ops.view.default, [sq, [1]]) for sq in squares]
+            total = builder.call(_ops.sqrt.default, [builder.call(_ops.sum.default, [builder.call(_ops.cat.default, [squares])])])
+            if norm_node is not None:
+                builder.call(_ops.copy_.default, [norm_node, total])
+            inverse = builder.call(_ops.reciprocal.default, [builder.call(_ops.add.Tensor, [total, 1e-6])])
+            coef = builder.call(_ops.clamp_max.default, [builder.call(_ops.mul.Tensor, [inverse, updates.clip_max_norm]), 1.0])
+            for bucket, bucket_views in zip(issued, views):
+                finish(bucket, bucket_views, coef)
+        return
+    end = output.prev  # the backward's own last node, before any update is added
+    by_issue = sorted(issued, key=lambda b: order[b.reduced])
+    for k, bucket in enumerate(by_issue):
+        # Pipelined: bucket k's update overlaps the next bucket's all-reduce, and comes after every
+        # read of bucket k's parameters by the rest of the backward.
+        anchor = by_issue[k + 1].reduced if k + 1 < len(by_issue) else end
+        anchor = max(anchor, last_reader(bucket), key=order.__getitem__)
+        with graph.inserting_after(anchor):
+            marker = graph.call_function(_ops.alias.default, (bucket.reduced,))  # insertion point, removed below
+        with graph.inserting_before(marker):
+            finish(bucket, _wait_and_split(builder, bucket))
+        graph.erase_node(marker)
+
+
+def _apply_update(builder: _Builder, updates: UpdateSpec, index: int, input_node: Callable[[int], fx.Node],
+                  grad: fx.Node) -> None:
+    """Copy the parameter's update template into the backward, on the real parameter and state."""
+    template = updates.templates[index]
+    roles = [input_node(index), grad] + [input_node(i) for i in updates.role_inputs[index]]
+    placeholders = [n for n in template.graph.graph.nodes if n.op == "placeholder"]
+    env: dict[fx.Node, Any] = {}
+    for role, position in zip(roles, template.positions):
+        if position is not None:
+            env[placeholders[position]] = role
+    for node in template.graph.graph.nodes:
+        if node.op == "call_function":
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            env[node] = builder.call(node.target, args, kwargs)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import torch.fx as fx
 
 from ddp.bucketing.grad_buckets import GradBucketPlan
-from ddp.in_graph.graph_pass import add_accumulated, insert_bucketed_all_reduce
+from ddp.in_graph.graph_pass import UpdateSpec, add_accumulated, insert_bucketed_all_reduce
 
 
 def _code_hash() -> str:
@@ -40,9 +40,11 @@ class InGraphPartitioner:
         group_name: str,
         world_size: int,
         accumulated_input_of: Mapping[int, int] | None = None,
+        updates: UpdateSpec | None = None,
         on_partitioned: Callable[[list[str]], None] = lambda after: None,
     ) -> None:
         self.plan = plan
+        self.updates = updates
         self.group_name = group_name
         self.world_size = world_size
         self.accumulated_input_of = dict(accumulated_input_of or {})
@@ -55,11 +57,21 @@ class InGraphPartitioner:
             add_accumulated(joint, self.accumulated_input_of)
         kwargs.setdefault("compiler", "inductor")  # what Inductor passes, and min-cut's own default
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        after = insert_bucketed_all_reduce(backward, self.plan, group_name=self.group_name, world_size=self.world_size)
+        after = insert_bucketed_all_reduce(
+            backward, self.plan, group_name=self.group_name, world_size=self.world_size,
+            forward=forward, updates=self.updates,
+        )
         self.on_partitioned(after)
         return forward, backward
 
     def uuid(self) -> str:
         plan = [(b.params, b.input_indices, b.nbytes, b.key) for b in self.plan.buckets]
-        key = repr((_CODE_HASH, plan, self.group_name, self.world_size, sorted(self.accumulated_input_of.items())))
+        updates = None
+        if self.updates is not None:
+            u = self.updates
+            updates = (
+                sorted((i, t.graph.code, t.positions, t.state_keys, t.hyper_keys) for i, t in u.templates.items()),
+                sorted(u.role_inputs.items()), u.clip_max_norm, u.norm_input,
+            )
+        key = repr((_CODE_HASH, plan, self.group_name, self.world_size, sorted(self.accumulated_input_of.items()), updates))
         return hashlib.sha256(key.encode()).hexdigest()

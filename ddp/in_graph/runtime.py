@@ -36,7 +36,7 @@ which its all-reduce is issued; `InGraphReducer.last_leftovers` names what the c
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,12 +49,27 @@ from ddp import torch_ddp
 from ddp.agreement import RankAgreement
 from ddp.bucketing import ParamInfo
 from ddp.bucketing.grad_buckets import GradBucketPlan, GradSlot, plan_grad_buckets, ready_order
+from ddp.in_graph.graph_pass import UpdateSpec, UpdateTemplate
 from ddp.in_graph.partitioner import InGraphPartitioner
 
 log = logging.getLogger(__name__)
 
-VARIANTS = ("local", "reduce", "reduce_acc")
-"""local: no collective (no_sync, no grad); reduce: all-reduce per bucket; reduce_acc: + accumulated grads."""
+VARIANTS = ("local", "reduce", "reduce_acc", "reduce_update", "reduce_acc_update")
+"""local: no collective (no_sync, no grad); reduce: all-reduce per bucket; _acc: plus the gradients
+accumulated by earlier micro-batches; _update: plus the optimizer update per bucket."""
+
+
+class UpdateProvider(Protocol):
+    """What the backward needs from the optimizer to update parameters in place (compile_core.in_backward)."""
+
+    clip_max_norm: float | None
+    norm: torch.Tensor | None
+
+    def template_for(self, param: torch.nn.Parameter) -> UpdateTemplate | None: ...
+
+    def states(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[torch.Tensor]: ...
+
+    def hypers(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[tuple[Any, torch.Tensor]]: ...
 
 CompileFn = Callable[..., "tuple[Callable[..., Any], bool]"]
 """(gm, example_inputs, name, partitioner=...) -> (compiled, whether AOTAutograd ran)."""
@@ -90,6 +105,14 @@ class InGraphReducer:
         self._armed = False
         self._agreed: set[tuple] = set()
         self.last_leftovers: list[str] = []
+        self.updates: UpdateProvider | None = None
+        """Set (by train_step) to update parameters inside the backward from the next sync step."""
+        self.update_blocker: str | None = None
+        """Why the last graph compiled for an update variant does not update (None: it does)."""
+        self.updated_in_backward = False
+        """True once a graph that updates parameters ran in the current step."""
+        self.graphs_last_step = 0
+        """How many compiled graphs ran in the last synchronising step's forward."""
 
     # -- around DDP's forward ------------------------------------------------------------------------
 
@@ -97,15 +120,18 @@ class InGraphReducer:
         """Pick the variant; keep DDP's reducer idle during its forward (what `no_sync()` does)."""
         self._put_back_stash()  # a previous sync step that never ran a backward
         self._covered.clear()
+        self.updated_in_backward = False
         self._user_sync = self.ddp.require_backward_grad_sync
         sync = torch.is_grad_enabled() and self._user_sync
-        if sync and any(p.grad is not None for p in self.params):
-            self._stash = {id(p): p.grad for p in self.params if p.grad is not None}
-            for p in self.params:
-                p.grad = None
-            self.variant = "reduce_acc"
+        if not sync:
+            self.variant = "local"
         else:
-            self.variant = "reduce" if sync else "local"
+            accumulated = any(p.grad is not None for p in self.params)
+            if accumulated:
+                self._stash = {id(p): p.grad for p in self.params if p.grad is not None}
+                for p in self.params:
+                    p.grad = None
+            self.variant = "reduce" + ("_acc" if accumulated else "") + ("_update" if self.updates else "")
         self.ddp.require_backward_grad_sync = False
 
     def after_forward(self, output: Any) -> None:
@@ -154,27 +180,75 @@ class InGraphReducer:
             return compiled, None
         plan, _ = self.plan(gm, example_inputs)
         self._agree_on(plan)
+        original = gm
         inputs = list(example_inputs)
+        extras: list[Callable[[], torch.Tensor]] = []  # run-time producers of the extra inputs, in order
         accumulated: dict[int, int] = {}
-        acc_params: list[torch.nn.Parameter] = []
-        if variant == "reduce_acc":
-            gm, accumulated, acc_params = _with_accumulated_inputs(gm, inputs, plan)
+        if "_acc" in variant:
+            for i in sorted(plan.input_indices()):
+                accumulated[i] = _add_input(inputs, extras, torch.zeros_like(inputs[i]),
+                                            lambda p=inputs[i]: self._take_accumulated(p))
+        spec = self._update_spec(gm, inputs, plan, extras) if variant.endswith("_update") else None
+        if self.updates is not None and spec is None and variant.endswith("_update"):
+            log.warning("ddp in_graph: %s: optimizer update stays after the backward: %s", name, self.update_blocker)
+        if extras:
+            gm = with_extra_inputs(gm, [f"ddp_compile_input_{k}" for k in range(len(extras))])
         partitioner = InGraphPartitioner(
             plan, group_name=self.group_name, world_size=self.world_size,
-            accumulated_input_of=accumulated, on_partitioned=on_partitioned,
+            accumulated_input_of=accumulated, updates=spec, on_partitioned=on_partitioned,
         )
         compiled, used_aot = compile_piece(gm, inputs, name, partitioner=partitioner)
         if not used_aot:  # fell back to eager: the end-of-backward callback reduces its gradients
-            return compiled, plan
+            return original.forward, None
         covered = frozenset(id(inputs[i]) for i in plan.input_indices())
+        updates = spec is not None
 
         def run(*args: Any) -> Any:
             self._covered.append(covered)
-            if acc_params:
-                args = (*args, *(self._take_accumulated(p) for p in acc_params))
+            if updates:
+                self.updated_in_backward = True
+            if extras:
+                args = (*args, *(make() for make in extras))
             return compiled(*args)
 
         return run, plan
+
+    def _update_spec(
+        self, gm: fx.GraphModule, inputs: list, plan: GradBucketPlan, extras: list[Callable[[], torch.Tensor]]
+    ) -> UpdateSpec | None:
+        """Extra inputs and templates for updating every planned parameter, or None (with the reason)."""
+        provider = self.updates
+        from aot.torch_dynamo import graph_break_of
+
+        if graph_break_of(gm) is not None:
+            self.update_blocker = "the model does not compile into one graph (graph break)"
+            return None
+        params = [inputs[i] for i in sorted(plan.input_indices())]
+        templates = {i: provider.template_for(inputs[i]) for i in sorted(plan.input_indices())}
+        missing = [self.names.get(id(inputs[i]), "?") for i, t in templates.items() if t is None]
+        if missing:
+            self.update_blocker = f"parameters {missing[:5]} have no update (not in the optimizer, or no state yet)"
+            return None
+        hyper_inputs: dict[Any, int] = {}
+        role_inputs: dict[int, tuple[int, ...]] = {}
+        for i, param in zip(sorted(templates), params):
+            template = templates[i]
+            roles = [
+                _add_input(inputs, extras, torch.zeros_like(t), lambda p=param, t=template, k=k: provider.states(p, t)[k])
+                for k, t in enumerate(provider.states(param, template))
+            ]
+            for k, (key, tensor) in enumerate(provider.hypers(param, template)):
+                if key not in hyper_inputs:
+                    hyper_inputs[key] = _add_input(inputs, extras, tensor.detach().clone(),
+                                                   lambda p=param, t=template, k=k: provider.hypers(p, t)[k][1])
+                roles.append(hyper_inputs[key])
+            role_inputs[i] = tuple(roles)
+        norm_input = None
+        if provider.clip_max_norm is not None and provider.norm is not None:
+            norm_input = _add_input(inputs, extras, torch.zeros_like(provider.norm), lambda: provider.norm)
+        self.update_blocker = None
+        return UpdateSpec(templates=templates, role_inputs=role_inputs, clip_max_norm=provider.clip_max_norm,
+                          norm_input=norm_input)
 
     def _agree_on(self, plan: GradBucketPlan) -> None:
         fingerprint = plan.fingerprint()
@@ -201,6 +275,7 @@ class InGraphReducer:
     def _finish_backward(self) -> None:
         """All-reduce what no compiled graph reduced in this backward (see the Note)."""
         covered = frozenset().union(*self._covered)
+        self.graphs_last_step = len(self._covered)
         self._covered.clear()
         self._put_back_stash()
         leftovers = [p for p in self.params if id(p) not in covered and p.grad is not None]
@@ -220,14 +295,8 @@ class InGraphReducer:
                 offset += n
 
 
-def _with_accumulated_inputs(
-    gm: fx.GraphModule, inputs: list, plan: GradBucketPlan
-) -> tuple[fx.GraphModule, dict[int, int], list[torch.nn.Parameter]]:
-    """`gm` with one more input per planned parameter, for its accumulated gradient."""
-    indices = sorted(plan.input_indices())
-    extended = with_extra_inputs(gm, [f"accumulated_grad_{i}" for i in indices])
-    accumulated: dict[int, int] = {}
-    for param_index in indices:
-        accumulated[param_index] = len(inputs)
-        inputs.append(torch.zeros_like(inputs[param_index], requires_grad=False))
-    return extended, accumulated, [inputs[i] for i in indices]
+def _add_input(inputs: list, extras: list, example: torch.Tensor, make: Callable[[], torch.Tensor]) -> int:
+    """Append one extra graph input (example for compiling, `make` for every call); return its index."""
+    inputs.append(example)
+    extras.append(make)
+    return len(inputs) - 1
