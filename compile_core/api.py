@@ -94,6 +94,10 @@ class CompiledModel:
         self._log = CompileLog()
         self._events = CompileEvents(expected_guard=_VARIANT_GUARD)
         self._calls = 0
+        self._agreement = (
+            RankAgreement(self._ddp.process_group, prefix=f"ddp_compile/model{next(_models)}")
+            if self._ddp is not None else None
+        )
         names = {id(p): n for n, p in inner.named_parameters()}
         split = self._ddp is not None and self._mode == "split"
         self._alignment = self._new_alignment(names, split=split)
@@ -106,9 +110,8 @@ class CompiledModel:
         if self._mode == "torch":
             backend: Callable[..., Any] = self._torch_piece
         elif self._mode == "in_graph":
-            agreement = RankAgreement(self._ddp.process_group, prefix=f"ddp_compile/model{next(_models)}")
             self._in_graph = InGraphReducer(
-                self._ddp, names=names, bucket_cap_bytes=cap, first_bucket_cap_bytes=first, agreement=agreement
+                self._ddp, names=names, bucket_cap_bytes=cap, first_bucket_cap_bytes=first, agreement=self._agreement
             )
             backend = self._in_graph_graph
             if torch_ddp.comm_hooks(self._ddp):
@@ -146,7 +149,7 @@ class CompiledModel:
                                     detail="ddp='in_graph': the compiled backward all-reduces, DDP's reducer stays idle")
         if not split:
             return ReducerAlignment(ddp=self._ddp, names=names, status="not applicable", detail=f"ddp={self._mode!r}")
-        return ReducerAlignment(ddp=self._ddp, names=names)
+        return ReducerAlignment(ddp=self._ddp, names=names, agreement=self._agreement)
 
     # ---- calling ---------------------------------------------------------------------------------
 
@@ -207,6 +210,33 @@ class CompiledModel:
         with self._log.lock:
             if self._log.graphs:
                 self._log.graphs[-1].seconds = seconds
+            summary = self._summary()
+        if self._agreement is not None:
+            self._agreement.publish("compile summary", summary)  # read by other ranks' report()
+
+    def _summary(self) -> dict[str, Any]:
+        """What this rank compiled, in terms other ranks can compare (see `rank_differences`)."""
+        return {
+            "graphs": [(g.name, g.pieces) for g in self._log.graphs],
+            "fallbacks": sorted(f"{f['piece']}: {f['from']} -> {f['to']}" for f in self._log.fallbacks),
+            "recompiles": len(self._events.recompiles),
+            "graph_breaks": len(self._events.graph_breaks),
+        }
+
+    def _rank_differences(self) -> list[dict[str, Any]]:
+        """Other ranks whose compile differs from this rank's, and how (never waits for them)."""
+        if self._agreement is None:
+            return []
+        with self._log.lock:
+            mine = self._summary()
+        out = []
+        for rank, theirs in sorted(self._agreement.peek("compile summary").items()):
+            if rank == self._agreement.rank:
+                continue
+            diff = [f"{k}: {theirs.get(k)!r} here {mine[k]!r}" for k in mine if theirs.get(k) != mine[k]]
+            if diff:
+                out.append({"rank": rank, "difference": "; ".join(diff)})
+        return out
 
     # ---- reporting and delegation ------------------------------------------------------------------
 
@@ -216,6 +246,7 @@ class CompiledModel:
             events=self._events, alignment=self._alignment.to_dict(),
             observed_alignment=self._alignment.observed(),
             notes=self._alignment.notes,
+            rank_differences=self._rank_differences(),
         )
 
     @property

@@ -44,7 +44,7 @@ class CompileLog:
 
     def snapshot(
         self, *, mode: str, backend: str, events: CompileEvents, alignment: dict, observed_alignment: dict | None,
-        notes: list[str] = (),
+        notes: list[str] = (), rank_differences: list[dict] = (),
     ) -> "CompileReport":
         with self.lock, events.lock:
             return CompileReport(
@@ -59,6 +59,7 @@ class CompileLog:
                 alignment=dict(alignment),
                 observed_alignment=observed_alignment,
                 compile_seconds=events.compile_seconds,
+                rank_differences=[dict(d) for d in rank_differences],
             )
 
 
@@ -87,6 +88,9 @@ class CompileReport:
     compile_seconds: float
     observed_alignment: dict | None = None
     """Planned pieces vs the buckets an attached `ddp.overlap.OverlapRecorder` saw DDP reduce."""
+    rank_differences: list[dict] = dataclasses.field(default_factory=list)
+    """`{"rank", "difference"}` per other rank whose compile (graphs, pieces, fallbacks, recompiles,
+    breaks) differs from this rank's, as far as it has told so far."""
 
     @property
     def pieces(self) -> int:
@@ -109,6 +113,7 @@ class CompileReport:
             "alignment": dict(self.alignment),
             "observed_alignment": self.observed_alignment,
             "notes": list(self.notes),
+            "rank_differences": [dict(d) for d in self.rank_differences],
             "compile_seconds": round(self.compile_seconds, 4),
         }
 
@@ -132,6 +137,7 @@ class CompileReport:
             ("recompiles", self.recompiles, lambda x: x["reason"]),
             ("fallbacks", self.fallbacks, lambda x: f"{x['piece']}: {x['from']} -> {x['to']} ({x['error']})"),
             ("notes", self.notes, str),
+            ("other ranks compiled differently", self.rank_differences, lambda x: f"rank {x['rank']}: {x['difference']}"),
         )
         for title, rows, fmt in sections:
             out.append(f"  {title}: {len(rows) if rows else 'none'}")

@@ -109,6 +109,19 @@ class RankAgreement:
             time.sleep(0.01)
         return {r: pickle.loads(store.get(keys[r])) for r in self.ranks}
 
+    def publish(self, topic: str, value: Any) -> None:
+        """Leave this rank's latest `value` for others to `peek` at (never waits)."""
+        if len(self.ranks) > 1:
+            torch_ddp.default_store().set(f"{self.prefix}/{topic}/latest/{self.rank}", pickle.dumps(value))
+
+    def peek(self, topic: str) -> dict[int, Any]:
+        """The latest value each rank published on `topic` (ranks that published nothing are absent)."""
+        if len(self.ranks) == 1:
+            return {}
+        store = torch_ddp.default_store()
+        keys = {r: f"{self.prefix}/{topic}/latest/{r}" for r in self.ranks}
+        return {r: pickle.loads(store.get(k)) for r, k in keys.items() if store.check([k])}
+
     def agree(
         self, topic: str, value: Any, *, describe: Callable[[Any], str] = repr, timeout_s: float | None = None
     ) -> None:

@@ -18,8 +18,10 @@ module a new `Reducer` whose buckets are exactly our plan (explicit `bucket_indi
 per-bucket caps for a later rebuild (`bucket_bytes_cap_list`, new in torch 2.13) are our buckets'
 byte totals. Gradients of one piece become ready together, so a rebuild from the observed ready
 order cuts at the same places. Comm hooks the user registered on the old reducer are registered again.
-Every rank must reduce the same buckets: the ranks exchange their layouts first and all take rank 0's
-(DDP does the same when it rebuilds); a rank whose own plan differed is named in the report.
+Every rank must reduce the same buckets: before the second forward, on every rank whatever it
+compiled, the ranks exchange their layouts through the store (`ddp.agreement`: bounded, and a rank
+that never arrives is named) and all take the lowest rank's (DDP does the same when it rebuilds); a
+rank whose own plan differed is named in the report. If any rank cannot swap, none does.
 
 Notes: we leave the reducer alone (and say why in the report) when DDP is in a mode the swap cannot
 preserve: the python reducer, mixed precision, delayed all-reduce params, or a bucket that mixes
@@ -37,10 +39,10 @@ import logging
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp import torch_ddp
+from ddp.agreement import RankAgreement
 from ddp.splitter import SplitGraph
 
 log = logging.getLogger(__name__)
@@ -62,34 +64,13 @@ def alignment_blocker(ddp: DistributedDataParallel, buckets: Sequence[Sequence[t
     return None
 
 
-def agree_across_ranks(ddp: DistributedDataParallel, layout: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Every rank must reduce the same buckets: adopt rank 0's layout, as DDP does when it rebuilds.
+def local_layout(ddp: DistributedDataParallel, buckets: Sequence[Sequence[torch.nn.Parameter]]) -> list[list[int]]:
+    """`buckets` (backward order) as lists of indices into DDP's parameter list.
 
-    Returns (the layout to use, the ranks whose own plan differed). On a gloo group a monitored barrier
-    first names any rank that never reaches this point, instead of hanging in the exchange.
+    Parameters DDP reduces but that no bucket names are appended as last buckets, one per
+    dtype/device (the reducer wants one of each per bucket), so every parameter is still reduced.
     """
-    group = ddp.process_group
-    world = dist.get_world_size(group)
-    if world == 1:
-        return layout, []
-    if dist.get_backend(group) == "gloo":
-        dist.monitored_barrier(group=group, wait_all_ranks=True)
-    layouts: list = [None] * world
-    dist.all_gather_object(layouts, layout, group=group)
-    differing = [rank for rank, other in enumerate(layouts) if other != layouts[0]]
-    return layouts[0], differing
-
-
-def rebuild_reducer(
-    ddp: DistributedDataParallel, buckets: Sequence[Sequence[torch.nn.Parameter]]
-) -> tuple[list[list[int]], list[int]]:
-    """Replace `ddp.reducer` by one whose buckets are `buckets` (in backward order).
-
-    Parameters DDP reduces but that no bucket names are appended as a last bucket. Returns the bucket
-    layout used (lists of indices into DDP's parameter list; rank 0's where ranks disagree) and the ranks
-    whose plan differed from rank 0's. A collective: every rank calls it, between iterations only.
-    """
-    parameters, expect_sparse = torch_ddp.reducer_params(ddp)
+    parameters, _ = torch_ddp.reducer_params(ddp)
     index_of = {id(p): i for i, p in enumerate(parameters)}
     layout: list[list[int]] = []
     seen: set[int] = set()
@@ -98,19 +79,20 @@ def rebuild_reducer(
         seen.update(idx)
         if idx:
             layout.append(idx)
-    rest = [i for i in range(len(parameters)) if i not in seen]
-    # Leftovers are split by dtype/device: the reducer wants one of each per bucket.
     by_key: dict[tuple, list[int]] = {}
-    for i in rest:
-        by_key.setdefault((parameters[i].dtype, parameters[i].device), []).append(i)
+    for i in range(len(parameters)):
+        if i not in seen:
+            by_key.setdefault((parameters[i].dtype, parameters[i].device), []).append(i)
     layout.extend(by_key.values())
-    layout, differing = agree_across_ranks(ddp, layout)
+    return layout
+
+
+def rebuild_reducer(ddp: DistributedDataParallel, layout: Sequence[Sequence[int]]) -> None:
+    """Replace `ddp.reducer` by one whose buckets are `layout` (the same on every rank)."""
+    parameters, expect_sparse = torch_ddp.reducer_params(ddp)
     caps = [max(1, sum(parameters[i].numel() * parameters[i].element_size() for i in b)) for b in layout]
     torch_ddp.install_reducer(ddp, parameters, expect_sparse, layout, caps)
-    if differing:
-        log.warning("ddp: ranks %s planned other buckets than rank 0; every rank uses rank 0's", differing)
     log.info("ddp: reducer rebuilt with %d bucket(s) aligned to compiled pieces", len(layout))
-    return layout, differing
 
 
 def planned_buckets(graphs: Sequence[SplitGraph]) -> list[list[torch.nn.Parameter]]:
@@ -151,6 +133,8 @@ class ReducerAlignment:
     """(step that compiled it, graph) for every split graph."""
     notes: list[str] = dataclasses.field(default_factory=list)
     """Facts worth a line in the report (ranks that planned differently, late graphs)."""
+    agreement: RankAgreement | None = None
+    """How the ranks exchange their layouts (None: a single process, nothing to exchange)."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -169,8 +153,12 @@ class ReducerAlignment:
             self.notes.append(f"{graph.name} (compiled at step {step}) has pieces that are not DDP buckets: {stray}")
 
     def before_forward(self, step: int) -> None:
-        """Swap once, before the first forward with grad that follows a compiling step."""
-        if self.status == "pending" and self.graphs and torch.is_grad_enabled():
+        """Swap once, before the second forward (`step` counts earlier forwards).
+
+        Every rank runs the same forwards, so every rank takes part, whatever it compiled (a rank
+        that compiled nothing offers an empty plan, and the exchange names it).
+        """
+        if self.status == "pending" and step == 1:
             self._align(step)
 
     def first_step_graphs(self) -> list[SplitGraph]:
@@ -182,21 +170,32 @@ class ReducerAlignment:
         return [[self.names[id(p)] for p in b] for b in planned_buckets(self.first_step_graphs())]
 
     def _align(self, step: int) -> None:
-        buckets = planned_buckets(self.first_step_graphs())
+        buckets = planned_buckets(self.first_step_graphs()) if self.graphs else []
         blocker = alignment_blocker(self.ddp, buckets)
-        if blocker is not None:
-            self.status, self.detail = "skipped", blocker
-            log.warning("compile_core: DDP buckets left as DDP built them: %s", blocker)
+        layout = local_layout(self.ddp, buckets)
+        offers = {0: (blocker, layout)}
+        if self.agreement is not None:
+            offers = self.agreement.exchange("bucket layout", (blocker, layout))
+        blocked = {r: b for r, (b, _) in sorted(offers.items()) if b is not None}
+        if blocked:
+            # One rank that cannot swap means none may: all ranks must reduce the same buckets.
+            self.status = "skipped"
+            self.detail = "; ".join(f"rank {r}: {b}" for r, b in blocked.items()) if len(offers) > 1 else blocker
+            log.warning("compile_core: DDP buckets left as DDP built them: %s", self.detail)
             return
-        layout, differing = rebuild_reducer(self.ddp, buckets)
+        first = min(offers)
+        chosen = offers[first][1]
+        differing = [r for r, (_, other) in sorted(offers.items()) if other != chosen]
+        rebuild_reducer(self.ddp, chosen)
         params, _ = torch_ddp.reducer_params(self.ddp)
-        self.buckets = [frozenset(self.names[id(params[i])] for i in b) for b in layout]
+        self.buckets = [frozenset(self.names[id(params[i])] for i in b) for b in chosen]
         self.status = "aligned"
-        self.detail = f"DDP reducer uses our {len(layout)} bucket(s) from step {step + 1}"
+        self.detail = f"DDP reducer uses our {len(chosen)} bucket(s) from step {step + 1}"
         if differing:
-            # Correct on every rank (all reduce rank 0's buckets), but this rank's pieces may not match.
-            self.detail += f"; ranks {differing} planned differently and use rank 0's buckets"
-            self.notes.append(f"ranks {differing} compiled other pieces than rank 0 (see alignment)")
+            # Correct on every rank (all reduce rank 0's buckets), but those ranks' pieces may not match.
+            self.detail += f"; ranks {differing} planned differently and use rank {first}'s buckets"
+            self.notes.append(f"ranks {differing} compiled other pieces than rank {first} (see alignment)")
+            log.warning("ddp: ranks %s planned other buckets than rank %d; every rank uses rank %d's", differing, first, first)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status}

@@ -179,7 +179,6 @@ class InGraphReducer:
             compiled, _ = compile_piece(gm, list(example_inputs), name)
             return compiled, None
         plan, _ = self.plan(gm, example_inputs)
-        self._agree_on(plan)
         original = gm
         inputs = list(example_inputs)
         extras: list[Callable[[], torch.Tensor]] = []  # run-time producers of the extra inputs, in order
@@ -198,7 +197,10 @@ class InGraphReducer:
             accumulated_input_of=accumulated, updates=spec, on_partitioned=on_partitioned,
         )
         compiled, used_aot = compile_piece(gm, inputs, name, partitioner=partitioner)
-        if not used_aot:  # fell back to eager: the end-of-backward callback reduces its gradients
+        # Before this graph's first collective: every rank must have planned the same buckets, and
+        # compiled them into its backward (a rank that fell back to eager would reduce otherwise).
+        self._agree_on(plan, in_graph=used_aot)
+        if not used_aot:  # fell back to eager everywhere: the end-of-backward callback reduces
             return original.forward, None
         covered = frozenset(id(inputs[i]) for i in plan.input_indices())
         updates = spec is not None
@@ -250,14 +252,16 @@ class InGraphReducer:
         return UpdateSpec(templates=templates, role_inputs=role_inputs, clip_max_norm=provider.clip_max_norm,
                           norm_input=norm_input)
 
-    def _agree_on(self, plan: GradBucketPlan) -> None:
-        fingerprint = plan.fingerprint()
+    def _agree_on(self, plan: GradBucketPlan, *, in_graph: bool) -> None:
+        fingerprint = (in_graph, plan.fingerprint())
         if fingerprint in self._agreed:
-            return
-        self.agreement.agree(
-            "in-graph buckets", fingerprint,
-            describe=lambda fp: f"{len(fp)} bucket(s) " + ", ".join(f"{n}B/{k}/{c} params" for n, k, c in fp),
-        )
+            return  # e.g. a recompile for new input sizes, with the same buckets as before
+
+        def describe(fp: tuple) -> str:
+            where = "in the compiled backward" if fp[0] else "NOT in the backward (compile fell back to eager)"
+            return f"{len(fp[1])} bucket(s) {where}: " + ", ".join(f"{n}B/{k}/{c} params" for n, k, c in fp[1])
+
+        self.agreement.agree("in-graph buckets", fingerprint, describe=describe)
         self._agreed.add(fingerprint)
 
     def _take_accumulated(self, param: torch.nn.Parameter) -> torch.Tensor:
