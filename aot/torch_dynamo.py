@@ -21,6 +21,21 @@ DynamoError = torch._dynamo.exc.TorchDynamoException
 """Base of every error Dynamo raises while capturing or compiling (`_dynamo/exc.py`)."""
 
 
+def root_cause(err: BaseException, kind: type) -> BaseException | None:
+    """The first exception of type `kind` inside `err`'s chain of causes.
+
+    Dynamo wraps what a backend raises in `BackendCompilerFailed` (`inner_exception`,
+    `_dynamo/exc.py`); an error we raise on purpose inside our backend should reach the user as is.
+    """
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, kind):
+            return err
+        seen.add(id(err))
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    return None
+
+
 def compile_with_guard_hook(
     fn: Callable[..., Any],
     backend: Callable[..., Any],

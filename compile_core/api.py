@@ -17,13 +17,13 @@ import torch
 import torch.fx as fx
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import pytorch_ddp_optimizer
+from aot.torch_dynamo import DynamoError, pytorch_ddp_optimizer, root_cause
 from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents
 from compile_core.pieces import PieceCompiler
 from compile_core.report import CompileLog, CompileReport, GraphEntry
 from ddp import torch_ddp
-from ddp.agreement import RankAgreement
+from ddp.agreement import RankAgreement, RankAgreementError
 from ddp.alignment import ReducerAlignment
 from ddp.bucketing import MiB
 from ddp.in_graph import InGraphReducer, in_graph_blocker
@@ -171,8 +171,20 @@ class CompiledModel:
         # In ddp='torch' PyTorch's DDPOptimizer splits; otherwise our backend does and DDPOptimizer
         # must not split again.
         around = pytorch_ddp_optimizer() if self._mode == "torch" else torch_ddp.hidden_from_dynamo()
-        with around, self._events.call():
-            return self._compiled(*args, **kwargs)
+        graphs = self._events.graphs
+        try:
+            with around, self._events.call(), self._events.count_skipped_frames():
+                out = self._compiled(*args, **kwargs)
+        except DynamoError as err:
+            ours = root_cause(err, RankAgreementError)
+            if ours is not None:
+                raise ours from None  # ranks diverged: say so, not "backend failed"
+            raise
+        if self._agreement is not None and (self._events.graphs != graphs or self._calls == 1):
+            with self._log.lock:
+                summary = self._summary()
+            self._agreement.publish("compile summary", summary)  # read by other ranks' report()
+        return out
 
     # ---- compiling -------------------------------------------------------------------------------
 
@@ -210,9 +222,6 @@ class CompiledModel:
         with self._log.lock:
             if self._log.graphs:
                 self._log.graphs[-1].seconds = seconds
-            summary = self._summary()
-        if self._agreement is not None:
-            self._agreement.publish("compile summary", summary)  # read by other ranks' report()
 
     def _summary(self) -> dict[str, Any]:
         """What this rank compiled, in terms other ranks can compare (see `rank_differences`)."""

@@ -137,6 +137,30 @@ class CompileEvents:
             with self.lock:
                 self.graph_breaks.extend(new)
 
+    @contextlib.contextmanager
+    def count_skipped_frames(self) -> Iterator[None]:
+        """Record breaks Dynamo counted in the block that left no graph behind (in "graphs" mode).
+
+        A graph break Dynamo cannot resume from (e.g. inside a loop) makes it skip the whole frame
+        and run it eagerly: no graph reaches the backend, only Dynamo's counters know.
+        """
+        if self.breaks_from != "graphs":
+            yield
+            return
+        before, recorded = break_counters(), len(self.graph_breaks)
+        try:
+            yield
+        finally:
+            after = break_counters()
+            if after != before and len(self.graph_breaks) == recorded:
+                new = [
+                    {"reason": reason.strip().splitlines()[0] + _debug_context(reason),
+                     "where": "(no graph: Dynamo ran the frame eagerly)"}
+                    for reason, count in after.items() if count > before.get(reason, 0)
+                ]
+                with self.lock:
+                    self.graph_breaks.extend(new)
+
     # -- internals -----------------------------------------------------------------------------------
 
     def _fold_guard_failures(self) -> None:

@@ -34,11 +34,15 @@ import torch.distributed as dist
 from ddp import torch_ddp
 
 
-class RankTimeoutError(RuntimeError):
+class RankAgreementError(RuntimeError):
+    """Ranks that must agree do not: raised before any collective could pair up wrongly."""
+
+
+class RankTimeoutError(RankAgreementError):
     """Some ranks never reached an exchange within its timeout."""
 
 
-class RankMismatchError(RuntimeError):
+class RankMismatchError(RankAgreementError):
     """Ranks reached an exchange with values that must be equal but are not."""
 
 

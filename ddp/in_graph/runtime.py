@@ -141,6 +141,11 @@ class InGraphReducer:
         self.ddp.require_forward_param_sync = sync  # DDP broadcasts buffers at the next forward
         if not sync:
             return
+        if not self._covered and not self._agreed:
+            # This rank ran its first synchronising forward without any compiled graph (Dynamo ran
+            # it eagerly): ranks that did compile wait for our plan; tell them, instead of a timeout.
+            self._agree_on(GradBucketPlan(buckets=(), bucket_cap_bytes=self.caps[0],
+                                          first_bucket_cap_bytes=self.caps[1]), in_graph=False)
         self._armed = False
         for t in pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -215,3 +215,17 @@ def test_compile_fx_with_sees_forward_and_backward_graphs():
             torch.compile(lambda x: (x * w).sin().sum(), backend=backend)(x).backward()
         assert graphs == [False, True]
         torch.testing.assert_close(w.grad, (x * w.detach()).cos() * x)
+
+
+class _OwnError(RuntimeError):
+    pass
+
+
+def test_an_error_raised_in_a_backend_is_found_inside_dynamos_wrapper():
+    with canary("aot/torch_dynamo.py:root_cause"):
+        def backend(gm, example_inputs):
+            raise _OwnError("ours")
+
+        with pytest.raises(torch_dynamo.DynamoError) as caught:
+            torch.compile(lambda x: x + 1, backend=backend)(torch.randn(2))
+        assert isinstance(torch_dynamo.root_cause(caught.value, _OwnError), _OwnError)

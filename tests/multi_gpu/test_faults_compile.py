@@ -1,0 +1,212 @@
+"""Fault suite, compile cases: something happens on ONE rank only, through `python -m launch`.
+
+In `ddp="split"` the job must go on correctly (parameters equal an eager DDP reference trained in the
+same processes on the same rank-dependent data, identical on both ranks) and the report must name the
+rank that differed; in `ddp="in_graph"` a divergence that would pair mismatched collectives must end in
+a clear error naming the rank, before any such collective; an exception or a bad argument on one rank
+must end the job with the launcher naming that rank. Every case asserts its wall time.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from launch.net import free_port
+from tests.multi_gpu.test_launch import _procs_with
+
+pytestmark = pytest.mark.multi_gpu
+
+REPO = Path(__file__).resolve().parents[2]
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import copy, json, os, sys
+    import torch, torch.nn as nn, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import compile_core
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    fault, mode, backend = os.environ["FAULT"], os.environ["MODE"], os.environ.get("BACKEND", "aot_eager")
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.d = (nn.Linear(32, 32) for _ in range(4))
+
+        def forward(self, x):
+            x = torch.tanh(self.b(torch.tanh(self.a(x))))
+            if fault in ("graph_break", "compile_error") and rank == 1:
+                torch._dynamo.graph_break()  # this rank only (outside a loop: Dynamo resumes after it)
+            return torch.tanh(self.d(torch.tanh(self.c(x))))
+
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    ddp, ref_ddp = DDP(model, bucket_cap_mb=0.005), DDP(ref, bucket_cap_mb=0.005)
+    kwargs = {"backend": backend, "ddp": mode}
+    if fault == "bad_argument" and rank == 1:
+        kwargs["bucket_cap_mb"] = -1  # this rank only
+    if fault == "inductor_fails" and rank == 1:
+        kwargs["options"] = {"_raise_error_for_testing": True}  # this rank only
+    if fault == "compile_error":
+        kwargs["fullgraph"] = True  # rank 1's graph break becomes an exception while compiling
+    compiled = compile_core.compile(ddp, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        batch = 6 if (fault == "recompile" and rank == 1 and step >= 2) else 4  # new size, this rank only
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(batch, 32, generator=g)
+        for run, o in ((compiled, opt), (ref_ddp, ref_opt)):
+            run(x).square().mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    checksum = sum(float(p.double().sum()) for p in model.parameters())
+    report = compiled.report().to_dict()
+    print("RESULT " + json.dumps({"rank": rank, "err": err, "checksum": checksum,
+                                  "differences": report["rank_differences"], "fallbacks": len(report["fallbacks"]),
+                                  "graphs": len(report["graphs"]), "alignment": report["alignment"]["status"]}),
+          flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def _kill_marked(marker: str) -> None:
+    for entry in _procs_with(marker):
+        try:
+            os.kill(int(entry.split(":", 1)[0]), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def job(tmp_path: Path):
+    """`job(fault, mode)` runs the rank script on 2 gloo ranks through the launcher: (result, seconds)."""
+    marker = f"compilefault_{uuid.uuid4().hex[:12]}"
+    workdir = tmp_path / marker
+    workdir.mkdir()
+    script = workdir / "rank_script.py"
+    script.write_text(RANK_SCRIPT)
+
+    def run(fault: str, mode: str, *, backend: str = "aot_eager", timeout: float = 150) -> tuple:
+        cmd = [sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(free_port()),
+               "--log-dir", str(workdir / "logs"), str(script)]
+        env = dict(os.environ, FAULT=fault, MODE=mode, BACKEND=backend, TORCHINDUCTOR_CACHE_DIR=str(workdir / "cache"),
+                   DDP_COMPILE_FIRST_TIMEOUT_S="60", DDP_COMPILE_TIMEOUT_S="30")
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_marked(marker)
+            out, err = proc.communicate()
+            pytest.fail(f"launcher did not finish within {timeout}s; stdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.monotonic() - start
+
+    try:
+        yield run
+        deadline = time.monotonic() + 5
+        while (left := _procs_with(marker)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"processes left behind: {left}"
+    finally:
+        _kill_marked(marker)  # also on a pytest-timeout
+
+
+def _results(stdout: str) -> dict[int, dict]:
+    import json
+
+    found = {}
+    for line in stdout.splitlines():
+        m = re.search(r"RESULT (\{.*\})", line)
+        if m:
+            data = json.loads(m.group(1))
+            found[data["rank"]] = data
+    assert sorted(found) == [0, 1], f"both ranks must finish; stdout:\n{stdout[-3000:]}"
+    return found
+
+
+def _assert_correct_and_identical(results: dict[int, dict]) -> None:
+    for rank, r in results.items():
+        assert r["err"] < 1e-5, f"rank {rank}: parameters differ from eager DDP by {r['err']:.2e}"
+    assert results[0]["checksum"] == results[1]["checksum"], "ranks hold different parameters"
+
+
+def _failed_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("launch: job FAILED")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("fault", ["graph_break", "recompile"])
+def test_split_mode_survives_a_rank_local_divergence_and_names_the_rank(job, fault):
+    res, seconds = job(fault, "split")
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = _results(res.stdout)
+    _assert_correct_and_identical(results)
+    assert results[0]["alignment"] == results[1]["alignment"] == "aligned"
+    named = [d for d in results[0]["differences"] if d["rank"] == 1]
+    assert named, f"rank 0's report does not name rank 1: {results[0]['differences']}"
+    what = "graphs" if fault == "graph_break" else "recompiles"
+    assert what in named[0]["difference"], named[0]
+    assert seconds < 120
+
+
+@pytest.mark.timeout(200)
+def test_in_graph_mode_survives_a_rank_local_recompile_with_the_same_buckets(job):
+    res, _ = job("recompile", "in_graph")
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_correct_and_identical(_results(res.stdout))
+
+
+@pytest.mark.timeout(200)
+def test_in_graph_mode_names_the_rank_whose_graph_break_changed_the_buckets(job):
+    res, seconds = job("graph_break", "in_graph")
+    assert res.returncode == 1, res.stdout[-2000:]
+    line = _failed_line(res.stderr)
+    assert "RankMismatchError" in line and "ranks [1] differ from rank 0" in line, line
+    assert "RESULT" not in res.stdout  # nothing trained past the divergence
+    assert seconds < 60 + 30, f"{seconds:.1f} s"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.inductor
+def test_split_mode_survives_inductor_failing_on_one_rank(job):
+    res, _ = job("inductor_fails", "split", backend="inductor", timeout=270)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = _results(res.stdout)
+    _assert_correct_and_identical(results)
+    assert results[1]["fallbacks"] > 0 and results[0]["fallbacks"] == 0
+    assert any(d["rank"] == 1 and "fallbacks" in d["difference"] for d in results[0]["differences"])
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("fault, words", [
+    ("bad_argument", "ValueError: bucket_cap_mb=-1"),
+    ("compile_error", "graph_break"),
+])
+def test_an_error_on_one_rank_ends_the_job_naming_it(job, fault, words):
+    res, seconds = job(fault, "split")
+    assert res.returncode == 1, res.stdout[-2000:]
+    line = _failed_line(res.stderr)
+    assert line.startswith("launch: job FAILED: rank 1 "), line
+    assert words.lower() in (line + res.stderr).lower(), line
+    assert seconds < 60 + 30, f"{seconds:.1f} s"
