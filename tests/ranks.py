@@ -48,7 +48,6 @@ def _worker(rank: int, world_size: int, port: int, pg_timeout: float, fn: Callab
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        # A short collective timeout: a rank whose peer raised fails in seconds instead of waiting 30 min.
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
@@ -80,13 +79,16 @@ def _kill_rank(proc) -> None:
 
 
 def run_ranks(
-    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 240.0, pg_timeout: float = 120.0
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 240.0, pg_timeout: float | None = None
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return results ordered by rank.
 
     `fn` must be a module-level function (it is pickled to spawned processes). `timeout` bounds the whole
-    run; `pg_timeout` bounds each collective, so a rank stuck on a peer that failed raises on its own.
+    run; `pg_timeout` (default: `timeout`) bounds each collective. A rank whose peer died does not need
+    it (gloo fails at once when the peer's connection closes); it ends a wait on a peer that is alive
+    but stuck, which `timeout` ends anyway.
     """
+    pg_timeout = timeout if pg_timeout is None else pg_timeout
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
