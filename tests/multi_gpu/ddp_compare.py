@@ -131,6 +131,8 @@ def train_against_eager(
                 log.new_step()
             loss = loss_fn(run(*inputs))
             loss.backward()
+            if key == "ours":
+                grad_storage = _grad_storage_groups(model)
             opts[key].step()
             opts[key].zero_grad(set_to_none=True)
             losses[key].append(loss.item())
@@ -146,7 +148,17 @@ def train_against_eager(
         "report": compiled.report().to_dict(),
         "reduced": log.steps,
         "expected_reduced": sorted(n for n, p in model.named_parameters() if p.requires_grad and n not in ignore),
+        "grad_storage": grad_storage,
     }
+
+
+def _grad_storage_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Parameters whose .grad share one storage (a DDP bucket with gradient_as_bucket_view), sorted."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            groups.setdefault(p.grad.untyped_storage().data_ptr(), []).append(name)
+    return sorted(sorted(g) for g in groups.values())
 
 
 # -- in the test process --------------------------------------------------------------------------------

@@ -205,6 +205,13 @@ def test_gradient_as_bucket_view_survives_the_reducer_swap(results):
     assert_same_compile_on_every_rank(per_rank, min_pieces=LAYERS)
     assert_reduced_once(per_rank)
     assert_real_buckets_are_pieces(per_rank)
+    # The numbers cannot tell whether the option survived the swap; the gradients' storage can: in the
+    # last step, the gradients of each bucket DDP reduced are views of one flat buffer.
+    for rank, r in enumerate(per_rank):
+        buckets = sorted(sorted(names) for _, names in r["reduced"][-1])
+        assert r["grad_storage"] == buckets, f"rank {rank}: gradients sharing storage {r['grad_storage']}, buckets {buckets}"
+    plain = ok(results, "plain")[0]
+    assert all(len(g) == 1 for g in plain["grad_storage"]), "without the option every gradient has its own storage"
 
 
 def test_find_unused_parameters_reduces_the_unused_ones_in_a_bucket_of_their_own(results):
