@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-scaling", action="store_true", help="skip the 1-rank jobs")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap-recorder jobs")
     p.add_argument("--loss-rtol", type=float, default=1e-3)
+    p.add_argument("--param-rtol", type=float, default=None,
+                   help="max distance of a mode's final parameters from eager's (default: 1e-5 for "
+                        "aot_eager/eager, 1e-3 for inductor; see BenchConfig.param_rtol)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=None, help="default bench_out/<preset>")
     p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
@@ -100,6 +103,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         bucket_cap_mb=args.bucket_cap_mb if args.bucket_cap_mb is not None else (1.0 if tiny else None),
         seed=args.seed,
         loss_rtol=args.loss_rtol,
+        param_rtol=args.param_rtol,
         # quick and smoke trade rigour for time: one (cold-cache) job per mode, recorder inside it, no
         # 1-rank jobs. The full preset keeps every job kind.
         cold_warm=not args.no_cold_warm and preset == "full",

@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.checksum import checksum_distance
 from benchmarks.config import MODE_HELP, BenchConfig
 
 TIMING_KINDS = ("cold", "warm", "smoke")
@@ -53,6 +54,14 @@ def aggregate_mode(jobs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     losses = [j["ranks"][0]["final_loss"] for j in timing]
     out["final_loss"] = losses[0]
     out["final_loss_jobs"] = losses
+    # rank 0's parameter fingerprint per job, and how far the job's other ranks ended from rank 0
+    checksums = [j["ranks"][0].get("param_checksum") for j in timing]
+    if all(c is not None for c in checksums):
+        out["param_checksum"] = checksums[0]
+        out["param_checksum_jobs"] = checksums
+        out["rank_param_distance"] = max(
+            checksum_distance(r["param_checksum"], j["ranks"][0]["param_checksum"]) for j in timing for r in j["ranks"]
+        )
     info = timing[0]["ranks"][0].get("info", {})
     out["pieces"] = info.get("pieces")
     out["info"] = info
@@ -107,6 +116,33 @@ def loss_agreement(modes: dict[str, dict[str, Any]], *, rtol: float, atol: float
             "tolerance": tol, "disagree": disagree, "unstable": unstable}
 
 
+def param_agreement(modes: dict[str, dict[str, Any]], *, rtol: float) -> dict[str, Any]:
+    """Did every finished mode end with eager's parameters? The gate of the cross-mode comparison.
+
+    Each mode's rank-0 parameter fingerprint must be within `rtol` (`checksum_distance`) of eager's;
+    within a mode the ranks must agree to the same tolerance (DDP keeps replicas identical), and so must
+    the mode's own jobs. Modes without a fingerprint (results of an older run) are listed, not judged.
+    """
+    finished = {m: a for m, a in modes.items() if a["status"] == "ok"}
+    with_sum = {m: a for m, a in finished.items() if "param_checksum" in a}
+    missing = sorted(set(finished) - set(with_sum))
+    if not with_sum:
+        return {"ok": None, "reference": None, "rtol": rtol, "distance": {}, "disagree": [],
+                "ranks_disagree": [], "unstable": [], "missing": missing}
+    ref_mode = "eager" if "eager" in with_sum else next(iter(with_sum))
+    ref = with_sum[ref_mode]["param_checksum"]
+    distance = {m: checksum_distance(a["param_checksum"], ref) for m, a in with_sum.items()}
+    disagree = [{"mode": m, "distance": d} for m, d in distance.items() if not d <= rtol]
+    ranks_disagree = [{"mode": m, "distance": a["rank_param_distance"]}
+                      for m, a in with_sum.items() if not a["rank_param_distance"] <= rtol]
+    unstable = [{"mode": m, "distance": max(checksum_distance(c, a["param_checksum"]) for c in a["param_checksum_jobs"])}
+                for m, a in with_sum.items()
+                if not all(checksum_distance(c, a["param_checksum"]) <= rtol for c in a["param_checksum_jobs"])]
+    return {"ok": not disagree and not ranks_disagree and not unstable and not missing, "reference": ref_mode,
+            "rtol": rtol, "distance": distance, "disagree": disagree, "ranks_disagree": ranks_disagree,
+            "unstable": unstable, "missing": missing}
+
+
 def aggregate(cfg: BenchConfig, jobs: list[dict[str, Any]]) -> dict[str, Any]:
     workloads = {}
     for w in cfg.workloads:
@@ -116,6 +152,7 @@ def aggregate(cfg: BenchConfig, jobs: list[dict[str, Any]]) -> dict[str, Any]:
             "description": w.describe(),
             "modes": modes,
             "loss_agreement": loss_agreement(modes, rtol=cfg.loss_rtol, atol=cfg.loss_atol),
+            "param_agreement": param_agreement(modes, rtol=cfg.param_tolerance()),
         }
     return {
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -191,7 +228,25 @@ def markdown_table(result: dict[str, Any], workload: str, *, timing_claims: bool
     if not timing_claims:
         lines.append("_smoke run: numbers below are not timing claims_\n")
     lines += rows + ["", _agreement_line(agreement)]
+    if "param_agreement" in data:  # results.json of runs before the parameter fingerprint have none
+        lines += ["", _param_agreement_line(data["param_agreement"])]
     return "\n".join(lines)
+
+
+def _param_agreement_line(agreement: dict[str, Any]) -> str:
+    if agreement["ok"] is None:
+        if agreement["missing"]:
+            return "Parameter agreement: not checked (these results hold no parameter fingerprints)."
+        return "Parameter agreement: no mode finished."
+    if agreement["ok"]:
+        worst = max(agreement["distance"].values())
+        return (f"Parameter agreement: OK (every mode's final parameters within {worst:.1e} of "
+                f"{agreement['reference']}'s update; tolerance {agreement['rtol']:.0e}).")
+    parts = [f"{d['mode']} {d['distance']:.2g} from {agreement['reference']}" for d in agreement["disagree"]]
+    parts += [f"{d['mode']}: ranks {d['distance']:.2g} apart" for d in agreement["ranks_disagree"]]
+    parts += [f"{d['mode']} varies across jobs ({d['distance']:.2g})" for d in agreement["unstable"]]
+    parts += [f"{m}: no parameter fingerprint" for m in agreement["missing"]]
+    return f"**WARNING: parameter disagreement** beyond {agreement['rtol']:.0e}: " + "; ".join(parts)
 
 
 def _overlap_cell(ov: dict[str, Any]) -> str:

@@ -49,6 +49,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from benchmarks.checksum import param_checksum
     from benchmarks.modes import BUILDERS, ModeContext, configure_dynamo
     from examples.gpt import GPT, GPTConfig, synthetic_batch
 
@@ -64,6 +65,8 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9)
 
+    # the fingerprint of the final parameters is taken against these (see benchmarks/checksum.py)
+    initial = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     recorder = None
     if spec["record_overlap"]:
         from ddp.overlap import OverlapRecorder
@@ -103,6 +106,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "median_step_ms": 1e3 * statistics.median(timed),
         "losses": losses,
         "final_loss": float(final.item()) / world_size,
+        "param_checksum": param_checksum(dict(model.named_parameters()), initial),
         "peak_rss_mb": _peak_rss_mb(),
         "info": step.info(),
     }

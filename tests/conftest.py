@@ -1,18 +1,41 @@
 import os
+import sys
+import uuid
 
 import pytest
 
+from tests.procs import SESSION_ENV, kill_trees, wait_for_leftovers
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One marker for the whole session, set at import time in the controller (conftest is imported before
+# xdist starts its workers): every process the suite starts inherits it, so the session end can find
+# whatever is still alive (see pytest_sessionfinish). Workers and ranks inherit the controller's value.
+os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+
+LEFTOVER_GRACE_S = float(os.environ.get("DDP_COMPILE_TEST_LEFTOVER_GRACE_S", "15"))
+"""How long processes of the session get to exit after the last test before they count as leaked."""
 
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    """Each test compiles from scratch: no cache entries or counters carried between tests."""
-    import torch
+    """Each test compiles from scratch: no cache entries or counters carried between tests.
 
-    torch._dynamo.reset()
+    Tests that never import torch (launcher CLI, leak guard) do not pay for importing it here.
+    """
+    if "torch" in sys.modules:
+        sys.modules["torch"]._dynamo.reset()
     yield
-    torch._dynamo.reset()
+    if "torch" in sys.modules:
+        sys.modules["torch"]._dynamo.reset()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _single_rank_store_cleanup():
+    """The world-size-1 group's file store goes with the session (xdist workers may skip atexit)."""
+    yield
+    ranks = sys.modules.get("tests.ranks")  # never imported: no store was made (and no torch import now)
+    if ranks is not None:
+        ranks.remove_single_rank_store()
 
 
 @pytest.fixture()
@@ -22,3 +45,49 @@ def pg():
 
     init_single_rank_group()
     yield
+
+
+GROUPED_MODULE_SUFFIX = "_multirank.py"
+"""Test modules whose tests must share one xdist worker (see pytest_xdist_make_scheduler)."""
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: harmless when xdist is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """With -n: tests of a `*_multirank.py` module stay on one worker, every other test is load-balanced.
+
+    Those modules launch their ranks ONCE, in a module-scoped fixture shared by all of their tests;
+    spread over two workers, the fixture (and the launch) would run twice. xdist's own `--dist loadgroup`
+    cannot do this with pytest 9 (xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads), and
+    the controller never sees markers, so the grouping goes by file name.
+    """
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None  # an explicit other --dist mode: xdist's own scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.endswith(GROUPED_MODULE_SUFFIX) else nodeid
+
+    return ModuleGroupScheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)  # after xdist has shut its workers down
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if any process the suite started is still alive; kill it and say which."""
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller checks once, after every worker is gone
+    left = wait_for_leftovers(os.environ[SESSION_ENV], LEFTOVER_GRACE_S)
+    if left:
+        kill_trees([p.pid for p in left])
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"  {p}" for p in left]
+        if reporter is not None:
+            reporter.write_sep("!", f"{len(left)} process(es) started by the test session were still alive")
+            for line in lines:
+                reporter.write_line(line, red=True)
+            reporter.write_line("they were killed now; the test that started them must kill them itself", red=True)
+        else:
+            print("processes left behind by the test session:\n" + "\n".join(lines))
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,14 +1,21 @@
 """Run a function on N local ranks (gloo on CPU, nccl when enough GPUs are visible), with a timeout.
 
 Every rank's return value comes back to the test; a failure names the rank and carries its traceback;
-a hang fails after `timeout` seconds and kills every rank.
+a hang fails after `timeout` seconds. Whatever happens, every rank is killed together with anything it
+started: each rank leads a process group of its own, and the whole group is killed at the end.
 """
 from __future__ import annotations
 
+import atexit
+import datetime
 import io
 import os
+import queue as queue_mod
+import shutil
+import signal
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -30,15 +37,20 @@ def backend_for(world_size: int) -> str:
     return "gloo"
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, port: int, pg_timeout: float, fn: Callable, args: tuple, queue) -> None:
+    # A process group of our own: the parent kills it whole (this rank and whatever it started).
+    os.setpgid(0, 0)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # One compile thread: no Inductor worker pool competing with the other rank for 2 cores.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     torch.set_num_threads(1)
     backend = backend_for(world_size)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world_size, *args)
         # Serialized by value: tensors sent through the queue would live in this process's shared
@@ -53,27 +65,43 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 240.0) -> list[Any]:
+def _kill_rank(proc) -> None:
+    """SIGKILL the rank's process group (the rank and its children); the rank itself if it has none yet."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # no such group: it never got to setpgid, or everything in it is gone already
+    if proc.is_alive():
+        proc.kill()
+    proc.join(timeout=10)
+
+
+def run_ranks(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 240.0, pg_timeout: float | None = None
+) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return results ordered by rank.
 
-    `fn` must be a module-level function (it is pickled to spawned processes).
+    `fn` must be a module-level function (it is pickled to spawned processes). `timeout` bounds the whole
+    run; `pg_timeout` (default: `timeout`) bounds each collective. A rank whose peer died does not need
+    it (gloo fails at once when the peer's connection closes); it ends a wait on a peer that is alive
+    but stuck, which `timeout` ends anyway.
     """
+    pg_timeout = timeout if pg_timeout is None else pg_timeout
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, pg_timeout, fn, args, queue), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
-    import queue as queue_mod
-    import time
-
     deadline = time.monotonic() + timeout
     try:
+        for p in procs:
+            p.start()
         while len(results) + len(failures) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -97,20 +125,39 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: 
                 failures.append(f"rank {rank} failed:\n{payload}")
                 break  # the other ranks will be stuck in a collective: stop now
     finally:
+        # However we got here (done, failure, timeout, pytest-timeout's exception, Ctrl-C): give finished
+        # ranks a moment to exit, then kill every rank's process group.
         for p in procs:
-            p.join(timeout=5 if not failures else 0.5)
+            if p.pid is not None:
+                p.join(timeout=5 if len(results) == world_size else 0.5)
         for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+            _kill_rank(p)
+        queue.close()
+        queue.join_thread()
     if failures:
         raise RuntimeError("\n".join(failures))
     return [results[r] for r in range(world_size)]
 
 
+_single_rank_store: str | None = None
+
+
+def remove_single_rank_store() -> None:
+    """Destroy the world-size-1 group of `init_single_rank_group` and delete its file store."""
+    global _single_rank_store
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if _single_rank_store is not None:
+        shutil.rmtree(_single_rank_store, ignore_errors=True)
+        _single_rank_store = None
+
+
 def init_single_rank_group() -> None:
-    """A world-size-1 gloo group in this process (for single-process DDP tests)."""
+    """A world-size-1 gloo group in this process (for single-process DDP tests); its file store goes at exit."""
+    global _single_rank_store
     if dist.is_initialized():
         return
-    path = tempfile.mktemp(prefix="ddp_compile_pg_")
+    _single_rank_store = tempfile.mkdtemp(prefix="ddp_compile_pg_")
+    atexit.register(remove_single_rank_store)
+    path = os.path.join(_single_rank_store, "store")
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)

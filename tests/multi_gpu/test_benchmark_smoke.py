@@ -1,39 +1,116 @@
-"""CI smoke of `python -m benchmarks --smoke`: every mode runs (or says why not) and finished modes agree.
+"""CI smoke of `python -m benchmarks --smoke`: every mode runs (or says why not) and every mode ends with
+eager's parameters.
 
-No timing is asserted: the smoke preset makes no timing claims.
+No timing is asserted: the smoke preset makes no timing claims. Losses agree too easily to be the gate
+(after 2 steps a mode without any all-reduce ends within 1e-3 of eager's loss); the gate is each
+mode's parameter fingerprint (benchmarks/checksum.py) against eager's, at a tolerance the test shows a
+run without all-reduce (or with a doubled gradient) cannot meet, by replaying those runs itself.
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.procs import kill_marked
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODES = ("eager", "torch_ddpopt", "torch_nosplit", "torch_python_reducer", "ours_compile", "ours_step")
+JOB_TIMEOUT_S = 120  # per benchmark job (passed as --timeout); a normal smoke job takes ~10 s
+RUN_TIMEOUT_S = 360  # the whole benchmark: one hung job (killed at JOB_TIMEOUT_S) plus every other job
+
+
+def _replay(result: dict, *, ranks: tuple[int, ...], grad_scale: float = 1.0) -> dict:
+    """The smoke's training replayed in this process, one model, no process group: each step uses the
+    mean of the given ranks' gradients times `grad_scale`. ranks=(0, 1) is what DDP computes; (0,) is
+    rank 0 without any all-reduce; grad_scale=2 is a summed (doubled) all-reduce."""
+    import torch
+
+    from benchmarks.checksum import param_checksum
+    from benchmarks.config import Workload
+    from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
+
+    cfg = result["config"]
+    work = Workload(**cfg["workloads"][0])
+    gpt = GPTConfig(**work.gpt_kwargs())
+    torch.manual_seed(cfg["seed"])  # as benchmarks.worker builds the model
+    model = GPT(gpt)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=cfg["lr"], momentum=0.9)
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        grads = []
+        for rank in ranks:
+            x, y = synthetic_batch(gpt, work.batch, work.seq_len, step=step, rank=rank, seed=cfg["seed"])
+            grads.append(torch.autograd.grad(lm_loss(model(x), y), params))
+        for p, *per_rank in zip(params, *grads):
+            p.grad = grad_scale * sum(per_rank) / len(per_rank)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return param_checksum(dict(model.named_parameters()), initial)
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.timeout(300)
-def test_smoke_benchmark_covers_every_mode_and_losses_agree(tmp_path):
-    # one workload keeps this near a minute on 2 cores; aot_eager is the smoke default backend
-    cmd = [sys.executable, "-m", "benchmarks", "--smoke", "--workloads", "comm", "--out-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, f"benchmark exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
+    from benchmarks.checksum import checksum_distance
 
-    result = json.loads((tmp_path / "results.json").read_text())
+    # A marker in the environment of the benchmark and of every rank it starts: the runner starts ranks
+    # in sessions of their own, so on a timeout killing the benchmark's process group is not enough.
+    marker = f"benchsmoke_{uuid.uuid4().hex[:12]}"
+    env = {**os.environ, "BENCH_SMOKE_TEST_MARKER": marker, "TMPDIR": str(tmp_path)}  # cache dirs under tmp_path
+    # one workload keeps this near a minute on 2 cores; aot_eager is the smoke default backend
+    cmd = [sys.executable, "-m", "benchmarks", "--smoke", "--workloads", "comm", "--timeout", str(JOB_TIMEOUT_S),
+           "--out-dir", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"benchmark did not finish within {RUN_TIMEOUT_S}s:\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        kill_marked(marker)  # ranks outlive their runner when it is killed: nothing may stay behind
+    assert proc.returncode == 0, f"benchmark exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
+
+    out_dir = tmp_path / "out"
+    result = json.loads((out_dir / "results.json").read_text())
     assert result["config"]["backend"] == "aot_eager"
-    modes = result["workloads"]["comm"]["modes"]
+    assert result["config"]["timeout_s"] == JOB_TIMEOUT_S < RUN_TIMEOUT_S
+    workload = result["workloads"]["comm"]
+    modes = workload["modes"]
     assert set(modes) == set(MODES)
     for mode, agg in modes.items():
         # every mode runs on torch 2.13 + gloo; a failure must name the mode and the rank
         assert agg["status"] == "ok", f"{mode}: {agg.get('error')}"
-    finished = {m: a["final_loss"] for m, a in modes.items() if a["status"] == "ok"}
-    assert "eager" in finished, modes["eager"].get("error")
-    agreement = result["workloads"]["comm"]["loss_agreement"]
-    assert agreement["ok"], agreement
+
+    # The gate: every mode's final parameters are eager's, on every rank.
+    params = workload["param_agreement"]
+    rtol = params["rtol"]
+    assert rtol == 1e-5  # the aot_eager default (BenchConfig.param_rtol)
+    assert params["reference"] == "eager" and params["ok"], params
+    for mode, agg in modes.items():
+        assert checksum_distance(agg["param_checksum"], modes["eager"]["param_checksum"]) <= rtol, mode
+        assert agg["rank_param_distance"] <= rtol, f"{mode}: ranks ended with different parameters"
+
+    # ... and that tolerance really separates a correct run from a broken one: replayed here, DDP's
+    # averaged gradient lands on eager's fingerprint, while no all-reduce or a doubled gradient land
+    # orders of magnitude outside the tolerance.
+    eager = modes["eager"]["param_checksum"]
+    assert checksum_distance(_replay(result, ranks=(0, 1)), eager) <= rtol
+    for broken in (_replay(result, ranks=(0,)), _replay(result, ranks=(1,)), _replay(result, ranks=(0, 1), grad_scale=2)):
+        assert checksum_distance(broken, eager) > 1000 * rtol
+
+    # Losses still agree (the weaker check the table reports)
+    finished = {m: a["final_loss"] for m, a in modes.items()}
+    assert workload["loss_agreement"]["ok"], workload["loss_agreement"]
     for mode, loss in finished.items():
         assert loss == pytest.approx(finished["eager"], rel=1e-3), mode
     # every 2-step job ran exactly 2 steps
@@ -42,10 +119,12 @@ def test_smoke_benchmark_covers_every_mode_and_losses_agree(tmp_path):
             if rank.get("ok"):
                 assert len(rank["losses"]) == 2, job["job_id"]
 
-    assert (tmp_path / "step_ms.png").read_bytes()[:4] == b"\x89PNG"
-    report = (tmp_path / "BENCHMARKS.md").read_text()
+    assert (out_dir / "step_ms.png").read_bytes()[:4] == b"\x89PNG"
+    report = (out_dir / "BENCHMARKS.md").read_text()
     assert "python -m benchmarks --smoke" in report and "torch " in report
-    assert "| mode |" in proc.stdout  # the markdown table went to stdout
+    assert "Parameter agreement: OK" in report
+    assert "| mode |" in out  # the markdown table went to stdout
+    assert not list(tmp_path.glob("bench_inductor_*")), "the benchmark left its Inductor cache dirs behind"
 
 
 # -- pure parts of the benchmark (no processes) ----------------------------------------------------------
@@ -72,6 +151,52 @@ def test_loss_agreement_flags_a_mode_unstable_across_its_own_jobs():
     assert result["ok"] is False and result["unstable"][0]["mode"] == "eager"
 
 
+def _fingerprint(deltas: dict) -> dict:
+    import torch
+
+    from benchmarks.checksum import param_checksum
+
+    return param_checksum({n: torch.tensor(v) for n, v in deltas.items()},
+                          {n: torch.zeros(len(v)) for n, v in deltas.items()})
+
+
+def test_checksum_distance_is_relative_to_the_update_and_sees_direction():
+    from benchmarks.checksum import checksum_distance
+
+    ref = _fingerprint({"w": [1.0, -2.0, 0.5], "b": [0.1]})
+    assert checksum_distance(ref, ref) == 0.0
+    assert checksum_distance(_fingerprint({"w": [1.0, -2.0, 0.5 + 1e-7], "b": [0.1]}), ref) < 1e-6
+    # same norms, another direction: only the dot product can tell
+    swapped = _fingerprint({"w": [-2.0, 1.0, 0.5], "b": [0.1]})
+    assert swapped["update_norm"] == pytest.approx(ref["update_norm"])
+    assert checksum_distance(swapped, ref) > 0.1
+    assert checksum_distance(_fingerprint({"w": [2.0, -4.0, 1.0], "b": [0.2]}), ref) == pytest.approx(1.0, rel=0.5)
+    assert checksum_distance(_fingerprint({"v": [1.0, -2.0, 0.5], "b": [0.1]}), ref) == float("inf")
+
+
+def test_param_agreement_flags_wrong_modes_ranks_and_jobs():
+    from benchmarks.report import param_agreement
+
+    good = _fingerprint({"w": [1.0, -2.0, 0.5]})
+    local = _fingerprint({"w": [1.3, -1.6, 0.2]})  # a rank that followed its own gradient
+
+    def agg(c, ranks=0.0, jobs=None):
+        return {"status": "ok", "param_checksum": c, "rank_param_distance": ranks, "param_checksum_jobs": jobs or [c]}
+
+    modes = {"eager": agg(good), "ours_compile": agg(good), "torch_nosplit": agg(local),
+             "ours_step": agg(good, ranks=0.3), "torch_ddpopt": agg(good, jobs=[good, local]),
+             "torch_python_reducer": {"status": "failed", "error": "x"}}
+    result = param_agreement(modes, rtol=1e-5)
+    assert result["ok"] is False and result["reference"] == "eager"
+    assert [d["mode"] for d in result["disagree"]] == ["torch_nosplit"]
+    assert [d["mode"] for d in result["ranks_disagree"]] == ["ours_step"]
+    assert [d["mode"] for d in result["unstable"]] == ["torch_ddpopt"]
+    assert param_agreement({"eager": agg(good), "ours_compile": agg(good)}, rtol=1e-5)["ok"] is True
+    # results from before the fingerprint existed are not judged, and say so
+    old = param_agreement({"eager": {"status": "ok", "final_loss": 1.0}}, rtol=1e-5)
+    assert old["ok"] is None and old["missing"] == ["eager"]
+
+
 def test_bad_benchmark_config_is_a_value_error_naming_the_value():
     from benchmarks.config import BenchConfig, Workload
 
@@ -81,6 +206,11 @@ def test_bad_benchmark_config_is_a_value_error_naming_the_value():
         BenchConfig(workloads=(Workload(name="w"),), modes=("nope",))
     with pytest.raises(ValueError, match="backend='tvm'"):
         BenchConfig(workloads=(Workload(name="w"),), backend="tvm")
+    with pytest.raises(ValueError, match="param_rtol=0"):
+        BenchConfig(workloads=(Workload(name="w"),), param_rtol=0)
+    # the parameter gate's default follows the backend: eager kernels match tightly, Inductor's less
+    assert BenchConfig(workloads=(Workload(name="w"),), backend="aot_eager").param_tolerance() == 1e-5
+    assert BenchConfig(workloads=(Workload(name="w"),), backend="inductor").param_tolerance() == 1e-3
 
 
 def test_rounds_are_interleaved_and_rotated(tmp_path):

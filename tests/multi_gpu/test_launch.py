@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import kill_marked, procs_with
+
 pytestmark = pytest.mark.multi_gpu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,28 +55,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _procs_with(marker: str) -> list[str]:
-    """Live processes whose command line or environment mentions `marker` (this test process excluded)."""
-    found = []
-    for proc_dir in Path("/proc").glob("[0-9]*"):
-        if proc_dir.name == str(os.getpid()):
-            continue
-        try:
-            cmdline = (proc_dir / "cmdline").read_bytes()
-            environ = (proc_dir / "environ").read_bytes()
-        except OSError:
-            continue  # exited meanwhile, or not ours
-        if marker.encode() in cmdline + environ:
-            text = cmdline.replace(b"\0", b" ").decode(errors="replace")
-            found.append(f"{proc_dir.name}: {text}")
-    return found
-
-
 def _assert_no_leftovers(marker: str, grace: float = 5.0) -> None:
+    """No process carrying `marker` survives (after `grace` seconds to exit); any that does is killed
+    first, then reported, so a failing test leaves nothing running either."""
     deadline = time.monotonic() + grace
-    while (left := _procs_with(marker)) and time.monotonic() < deadline:
+    while (left := procs_with(marker)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not left, f"processes left behind: {left}"
+    if left:
+        kill_marked(marker)
+    assert not left, "processes left behind: " + "; ".join(map(str, left))
 
 
 @pytest.fixture
@@ -96,7 +85,7 @@ def job(tmp_path: Path):
 
         def run(self, *launch_args: str, env: dict | None = None, timeout: float = 120,
                 script_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-            return _run(self.cmd(*launch_args, script_args=script_args), env=env, timeout=timeout)
+            return _run(self.cmd(*launch_args, script_args=script_args), env=env, timeout=timeout, marker=marker)
 
     yield Job()
     _assert_no_leftovers(marker)
@@ -108,16 +97,21 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def _run(cmd: list[str], *, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the launcher in its own session so that a timeout can kill everything it started."""
+def _run(cmd: list[str], *, marker: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the launcher in its own session; on a timeout (or any exception, pytest-timeout's included)
+    kill it and every process carrying the job's `marker`: torchx's local scheduler starts the replicas
+    in sessions of their own, out of reach of the launcher's process group."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException as exc:
         os.killpg(proc.pid, signal.SIGKILL)
+        kill_marked(marker)
         out, err = proc.communicate()
-        pytest.fail(f"launcher did not finish within {timeout}s; stdout:\n{out}\nstderr:\n{err}")
+        if isinstance(exc, subprocess.TimeoutExpired):
+            pytest.fail(f"launcher did not finish within {timeout}s; stdout:\n{out}\nstderr:\n{err}")
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -171,6 +165,7 @@ def test_sigterm_stops_every_rank(job):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            kill_marked(job.marker)  # the ranks (sleeping 600 s) live in sessions of their own
             proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "got SIGTERM; stopping every rank" in out
@@ -203,7 +198,8 @@ def test_dry_run_prints_torchrun_command_and_starts_nothing(job):
 def test_bad_input_is_one_line_and_exit_2(job, args, message):
     args = [str(job.script) if a == "SCRIPT" else a for a in args]
     t0 = time.monotonic()
-    res = _run([sys.executable, "-m", "launch", "--log-dir", str(job.workdir / "logs"), *args], timeout=40)
+    res = _run([sys.executable, "-m", "launch", "--log-dir", str(job.workdir / "logs"), *args], timeout=40,
+               marker=job.marker)
     assert res.returncode == 2
     assert res.stdout == ""
     assert len(res.stderr.splitlines()) == 1, res.stderr
@@ -241,9 +237,10 @@ def test_demo_job_runs_compiled(tmp_path):
     marker = f"launchdemo_{uuid.uuid4().hex[:12]}"
     res = _run([sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(_free_port()),
                 "--log-dir", str(tmp_path / marker), "--env", f"LAUNCH_TEST_MARKER={marker}",
+                "--inductor-cache-dir", str(tmp_path / "inductor_cache"),
                 str(REPO / "examples" / "train_gpt.py"),
                 "--backend", "aot_eager", "--steps", "3", "--batch", "2", "--seq-len", "16", "--d-model", "32",
-                "--layers", "1", "--vocab", "64"], timeout=240)
+                "--layers", "1", "--vocab", "64"], timeout=240, marker=marker)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[0]:step    3/3" in res.stdout
     assert "compile report" in res.stdout and "[0]:summary: 3 steps" in res.stdout

@@ -17,8 +17,14 @@ def mlp(n: int = 3, width: int = 256) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-def run_against_eager(make_model, make_input, *, steps=2, ddp_kwargs=None, ignore=(), rtol=1e-4, atol=1e-5, **compile_kwargs):
-    """Train `steps` SGD steps with compiled DDP and eager DDP from the same weights; compare everything."""
+def run_against_eager(make_model, make_input, *, steps=2, ddp_kwargs=None, ignore=(), rtol=1e-4, atol=1e-5,
+                      observe=False, with_ref=False, **compile_kwargs):
+    """Train `steps` SGD steps with compiled DDP and eager DDP from the same weights; compare everything.
+
+    observe=True attaches `ddp.overlap.OverlapRecorder` before compiling, so the report's
+    `observed_alignment` compares our pieces with the buckets DDP really reduced. with_ref=True also
+    returns the eager DDP reference (a third value).
+    """
     torch.manual_seed(0)
     model = make_model()
     ref = copy.deepcopy(model)
@@ -27,6 +33,10 @@ def run_against_eager(make_model, make_input, *, steps=2, ddp_kwargs=None, ignor
             DDP._set_params_and_buffers_to_ignore_for_model(m, list(ignore))
     ours = DDP(model, **(ddp_kwargs or {}))
     theirs = DDP(ref, **(ddp_kwargs or {}))
+    if observe:
+        from ddp.overlap import OverlapRecorder
+
+        OverlapRecorder.attach(ours)
     compiled = compile_core.compile(ours, **compile_kwargs)
     for step in range(steps):
         x = make_input(step)
@@ -47,6 +57,8 @@ def run_against_eager(make_model, make_input, *, steps=2, ddp_kwargs=None, ignor
                 p.grad, q.grad = None, None
     for (name, b), c in zip(model.named_buffers(), ref.buffers()):
         torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=f"buffer {name}")
+    if with_ref:
+        return compiled, compiled.report().to_dict(), theirs
     return compiled, compiled.report().to_dict()
 
 

@@ -53,9 +53,14 @@ def test_inductor_compiles_forward_and_backward_and_reports_each_graph():
     compiled = inductor_compile(gm, inputs, settings=InductorSettings(), on_graph=lambda g, bw: graphs.append(bw))
     out = compiled(*inputs)
     out = out[0] if isinstance(out, (tuple, list)) else out
-    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
-    out.sum().backward()
+    expected = model(x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
     assert graphs == [False, True]
+    # the Inductor backward computes eager's gradients
+    ref = torch.autograd.grad(expected.square().sum(), list(model.parameters()))
+    for (name, _), g, r in zip(model.named_parameters(), grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize(

@@ -103,13 +103,14 @@ class WithUnused(nn.Module):
 
 
 class MixedDtypes(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, low: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
+        self.low = low
         self.a, self.c = nn.Linear(16, 16), nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16).to(torch.bfloat16)
+        self.b = nn.Linear(16, 16).to(low)
 
     def forward(self, x):
-        return self.c(self.b(self.a(x).bfloat16()).float())
+        return self.c(self.b(self.a(x).to(self.low)).float())
 
 
 class Frozen(nn.Module):
@@ -135,7 +136,14 @@ def test_unused_parameter_with_find_unused_parameters():
 
 
 def test_buckets_never_mix_dtypes():
-    _, report = run_against_eager(MixedDtypes, x16, steps=3, backend="aot_eager", bucket_cap_mb=1, rtol=1e-2, atol=1e-2)
+    # Tight (outputs and gradients, every step): the bf16 layer runs the same bf16 kernel compiled or not;
+    # a piece computing it in fp32 would land outside (checked below on the eager model).
+    _, report = run_against_eager(MixedDtypes, x16, steps=3, backend="aot_eager", bucket_cap_mb=1, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    bf16 = MixedDtypes()
+    fp32 = MixedDtypes(low=torch.float32)
+    fp32.load_state_dict(bf16.state_dict())
+    assert not torch.allclose(bf16(x16(0)), fp32(x16(0)), rtol=1e-4, atol=1e-5), "bf16 made no difference"
     # one 25 MiB-style cap would hold all three layers; the bf16 layer forces cuts on both sides
     assert [b["params"] for b in report["graphs"][0]["buckets"]] == [
         ["c.weight", "c.bias"], ["b.weight", "b.bias"], ["a.weight", "a.bias"]
@@ -150,11 +158,12 @@ def test_frozen_parameters_are_not_bucketed():
 
 def test_eval_after_training_keeps_the_aligned_buckets():
     make = lambda: nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))  # noqa: E731
-    compiled, _ = run_against_eager(make, x16, steps=2, backend="aot_eager", bucket_cap_mb=0.0001)
+    compiled, _, ref = run_against_eager(make, x16, steps=2, backend="aot_eager", bucket_cap_mb=0.0001, with_ref=True)
     compiled.eval()
+    ref.eval()
     with torch.no_grad():
-        out = compiled(x16(5))
+        out, expected = compiled(x16(5)), ref(x16(5))
     report = compiled.report()
-    assert out.shape == (4, 16)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)  # the trained eager DDP model's output
     assert [g.pieces for g in report.graphs] == [2, 2]  # the no-grad graph, split the same way
     assert report.notes == []

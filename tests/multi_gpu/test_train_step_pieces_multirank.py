@@ -1,0 +1,206 @@
+"""compile_core.train_step split into many pieces, on 2 ranks, against an eager DDP training loop.
+
+The headline path: split graph (bucket_cap_mb small enough for >= 3 pieces) + reducer alignment +
+compiled optimizer, with SGD-momentum and AdamW, with and without gradient accumulation (the reducer
+swap then happens inside `no_sync()` for accum_steps=3), with clipping and with autocast. Each scenario
+runs 3 optimizer updates on rank-dependent data; the reference is a hand-written eager DDP loop in the
+same process (no_sync for the first k-1 micro-batches, loss/k, clip_grad_norm_, step, zero_grad).
+All scenarios run in one 2-rank launch (module-scoped fixture); each test asserts on one entry.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.multi_gpu.ddp_compare import (
+    BucketLog,
+    assert_matches_eager,
+    assert_same_compile_on_every_rank,
+    ok,
+    planned_buckets,
+    run_scenarios,
+    snapshot,
+    update_rel_err,
+)
+from tests.ranks import run_ranks
+
+# One launch for the whole module; the *_multirank.py name keeps its tests on one xdist worker.
+pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(420)]
+
+CAP_MB = 0.015  # just under one Linear(64, 64) (16,640 bytes): one hidden layer per piece, 4 pieces
+UPDATES = 3
+CLIP = 0.05  # below the gradient norms of this model: clipping really scales the update
+
+
+def make_model() -> nn.Sequential:
+    # A plain MLP: every parameter gets a real gradient. (A GPT's key bias gets ~0 gradients, which
+    # AdamW normalises into noise-sized updates that no tight comparison survives.)
+    layers: list[nn.Module] = [nn.Linear(16, 64), nn.GELU()]
+    for _ in range(3):
+        layers += [nn.Linear(64, 64), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(64, 8))
+
+
+def make_data(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(n)]
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+}
+
+
+def _eager_loop(ddp: DDP, opt, data, *, accum: int, clip: float | None, autocast) -> tuple[list, list]:
+    """The reference: eager DDP with the same accumulation, clipping and autocast."""
+    losses, norms = [], []
+    for i, (x, y) in enumerate(data):
+        last = (i + 1) % accum == 0
+        with ddp.no_sync() if not last else contextlib.nullcontext():
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = F.mse_loss(ddp(x), y)
+            (loss / accum).backward()
+        losses.append(loss.item())
+        if last:
+            if clip is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return losses, norms
+
+
+def _scenario(rank: int, *, opt: str, accum: int = 1, clip: float | None = None, autocast=None,
+              ddp_kwargs: dict | None = None) -> dict:
+    import compile_core
+
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    initial = snapshot(model)
+    ours, theirs = DDP(model, **(ddp_kwargs or {})), DDP(ref, **(ddp_kwargs or {}))
+    log = BucketLog(model).attach(ours)
+    step = compile_core.train_step(
+        ours, OPTIMIZERS[opt](model.parameters()), F.mse_loss, backend="aot_eager", accum_steps=accum,
+        clip_grad_norm=clip, autocast=autocast, bucket_cap_mb=CAP_MB,
+    )
+    data = make_data(rank, accum * UPDATES)
+    losses, norms, applied = [], [], []
+    for x, y in data:
+        log.new_step()
+        losses.append(step(x, y).item())
+        applied.append(step.applied)
+        if step.applied and clip is not None:
+            norms.append(step.last_grad_norm.item())
+    ref_losses, ref_norms = _eager_loop(theirs, OPTIMIZERS[opt](ref.parameters()), data,
+                                        accum=accum, clip=clip, autocast=autocast)
+    out = {
+        "params": snapshot(model), "ref": snapshot(ref), "initial": initial,
+        "losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
+        "applied": applied, "reduced": log.steps, "report": step.report().to_dict(),
+        "expected_reduced": sorted(n for n, _ in model.named_parameters()),
+    }
+    if autocast is not None:  # what the same loop gives in fp32: a lost autocast would end there
+        fp32 = make_model()
+        fp32.load_state_dict(initial)
+        _eager_loop(DDP(fp32, **(ddp_kwargs or {})), OPTIMIZERS[opt](fp32.parameters()), data,
+                    accum=accum, clip=clip, autocast=None)
+        out["fp32"] = snapshot(fp32)
+    return out
+
+
+SCENARIOS = {
+    "sgd": lambda rank: _scenario(rank, opt="sgd"),
+    "sgd_accum2_clip": lambda rank: _scenario(rank, opt="sgd", accum=2, clip=CLIP),
+    "adamw_clip": lambda rank: _scenario(rank, opt="adamw", clip=CLIP),
+    "adamw_accum2": lambda rank: _scenario(rank, opt="adamw", accum=2),
+    # accum 3: the swap happens before micro-batch 2, inside no_sync(), with gradients already
+    # accumulated in DDP's bucket views
+    "adamw_accum3_bucket_view": lambda rank: _scenario(
+        rank, opt="adamw", accum=3, ddp_kwargs={"gradient_as_bucket_view": True}),
+    "sgd_autocast_bf16": lambda rank: _scenario(rank, opt="sgd", autocast=torch.bfloat16),
+}
+
+
+def _all_scenarios(rank: int, world_size: int) -> dict:
+    return run_scenarios(SCENARIOS, rank)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all_scenarios, world_size=2, timeout=400)
+
+
+def _check_reductions(per_rank: list[dict], accum: int) -> None:
+    """No all-reduce under no_sync; on every synchronising micro-batch each parameter exactly once; from
+    the first synchronising micro-batch after the swap on, DDP's buckets are our pieces."""
+    for rank, r in enumerate(per_rank):
+        pieces = [sorted(b) for b in planned_buckets(r["report"])]
+        assert r["applied"] == ([False] * (accum - 1) + [True]) * UPDATES
+        for i, buckets in enumerate(r["reduced"]):
+            if not r["applied"][i]:
+                assert buckets == [], f"rank {rank} micro-batch {i}: all-reduce under no_sync: {buckets}"
+                continue
+            counts = collections.Counter(n for _, names in buckets for n in names)
+            assert sorted(counts) == r["expected_reduced"] and set(counts.values()) == {1}, (
+                f"rank {rank} micro-batch {i}: each parameter must be reduced once, got {dict(counts)}"
+            )
+            if i >= 1:  # compiled in micro-batch 0, aligned before micro-batch 1
+                real = [sorted(names) for _, names in buckets]
+                assert real == pieces, f"rank {rank} micro-batch {i}: DDP reduced {real}, pieces are {pieces}"
+
+
+def _check_common(per_rank: list[dict], *, accum: int) -> None:
+    assert_matches_eager(per_rank)
+    assert_same_compile_on_every_rank(per_rank, min_pieces=3)
+    _check_reductions(per_rank, accum)
+    for rank, r in enumerate(per_rank):
+        assert r["report"]["updates"] == UPDATES
+        assert r["report"]["optimizer"]["compiled"], (rank, r["report"]["optimizer"])
+
+
+def _check_clipping(per_rank: list[dict]) -> None:
+    for rank, r in enumerate(per_rank):
+        assert len(r["ref_norms"]) == UPDATES and min(r["ref_norms"]) > CLIP, "the test must actually clip"
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(r["ref_norms"]), rtol=1e-5, atol=1e-6)
+
+
+def test_sgd_momentum_in_many_pieces_matches_eager_ddp(results):
+    _check_common(ok(results, "sgd"), accum=1)
+
+
+def test_sgd_accumulation_and_clipping_match_eager_ddp(results):
+    per_rank = ok(results, "sgd_accum2_clip")
+    _check_common(per_rank, accum=2)
+    _check_clipping(per_rank)
+
+
+def test_adamw_with_clipping_matches_eager_ddp(results):
+    per_rank = ok(results, "adamw_clip")
+    _check_common(per_rank, accum=1)
+    _check_clipping(per_rank)
+
+
+def test_adamw_accumulation_matches_eager_ddp(results):
+    _check_common(ok(results, "adamw_accum2"), accum=2)
+
+
+def test_reducer_swap_inside_no_sync_with_bucket_views_matches_eager_ddp(results):
+    _check_common(ok(results, "adamw_accum3_bucket_view"), accum=3)
+
+
+def test_autocast_bf16_in_many_pieces_matches_eager_autocast_not_fp32(results):
+    per_rank = ok(results, "sgd_autocast_bf16")
+    # Tight on the update: bf16 rounding reproduced, not approximated (seen: 3e-5 of the update). The fp32
+    # run of the same loop ends > 1e-3 of the update away (seen: 6e-3; asserted, so the check can fail).
+    assert_matches_eager(per_rank, update_rtol=1e-4)
+    for r in per_rank:
+        assert update_rel_err(r["fp32"], r["ref"], r["initial"]) > 1e-3, "autocast made no difference"
+    assert_same_compile_on_every_rank(per_rank, min_pieces=3)
+    _check_reductions(per_rank, accum=1)
