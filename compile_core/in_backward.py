@@ -206,7 +206,7 @@ class InBackwardController:
             if changed is not None:
                 self._stop(changed)
 
-    def after_update(self, index: int) -> None:
+    def after_update(self, index: int, *, before_prepare: Callable[[], None] = lambda: None) -> None:
         """After update `index` ran the normal path: switch to in-backward updates when it can."""
         if self.reason is not None or self.active:
             return
@@ -217,6 +217,7 @@ class InBackwardController:
                 + "; updates inside the backward need one graph holding every parameter"
             )
             return
+        before_prepare()
         self.updates.prepare()
         self.reducer.updates = self.updates
         self.from_update = index + 1

@@ -149,10 +149,10 @@ class TrainStep:
         if controller is not None and controller.applied():
             norm = controller.updates.norm  # the backward already updated every parameter
         elif controller is not None and controller.reason is None:
-            # Update 1 runs eagerly: it creates the optimizer state the backward will update.
-            self._pins.install()
+            # Update 1 runs eagerly with the user's own hyperparameters: it creates the optimizer
+            # state the backward will update. The pinned tensors come before the update graphs.
             norm = self._eager_update()
-            controller.after_update(index)
+            controller.after_update(index, before_prepare=self._pins.install)
         else:
             norm = self._normal_update(index)
         self.last_grad_norm = None if norm is None else norm.detach().clone()

@@ -87,12 +87,16 @@ def local_layout(ddp: DistributedDataParallel, buckets: Sequence[Sequence[torch.
     return layout
 
 
-def rebuild_reducer(ddp: DistributedDataParallel, layout: Sequence[Sequence[int]]) -> None:
-    """Replace `ddp.reducer` by one whose buckets are `layout` (the same on every rank)."""
+def rebuild_reducer(ddp: DistributedDataParallel, layout: Sequence[Sequence[int]]) -> bool:
+    """Replace `ddp.reducer` by one whose buckets are `layout` (the same on every rank).
+
+    Returns whether the layout is frozen (DDP will not rebuild it later; see `install_reducer`).
+    """
     parameters, expect_sparse = torch_ddp.reducer_params(ddp)
-    caps = [max(1, sum(parameters[i].numel() * parameters[i].element_size() for i in b)) for b in layout]
-    torch_ddp.install_reducer(ddp, parameters, expect_sparse, layout, caps)
-    log.info("ddp: reducer rebuilt with %d bucket(s) aligned to compiled pieces", len(layout))
+    frozen = torch_ddp.install_reducer(ddp, parameters, expect_sparse, layout)
+    log.info("ddp: reducer rebuilt with %d bucket(s) aligned to compiled pieces%s", len(layout),
+             "" if frozen else " (DDP may still re-cut them after its first backward)")
+    return frozen
 
 
 def planned_buckets(graphs: Sequence[SplitGraph]) -> list[list[torch.nn.Parameter]]:
@@ -186,11 +190,15 @@ class ReducerAlignment:
         first = min(offers)
         chosen = offers[first][1]
         differing = [r for r, (_, other) in sorted(offers.items()) if other != chosen]
-        rebuild_reducer(self.ddp, chosen)
+        frozen = rebuild_reducer(self.ddp, chosen)
         params, _ = torch_ddp.reducer_params(self.ddp)
         self.buckets = [frozenset(self.names[id(params[i])] for i in b) for b in chosen]
         self.status = "aligned"
         self.detail = f"DDP reducer uses our {len(chosen)} bucket(s) from step {step + 1}"
+        if not frozen:
+            why = ("find_unused_parameters keeps DDP from rebuilding" if self.ddp.find_unused_parameters
+                   else "dtypes need conflicting caps: DDP re-cuts them by the order gradients become ready after step 2")
+            self.detail += f" ({why})"
         if differing:
             # Correct on every rank (all reduce rank 0's buckets), but those ranks' pieces may not match.
             self.detail += f"; ranks {differing} planned differently and use rank {first}'s buckets"

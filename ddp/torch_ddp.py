@@ -76,32 +76,51 @@ def install_reducer(
     params: Sequence[torch.nn.Parameter],
     expect_sparse: Sequence[bool],
     layout: Sequence[Sequence[int]],
-    bucket_bytes: Sequence[int],
-) -> None:
+) -> bool:
     """Give `ddp` a new `Reducer` whose buckets are `layout` (indices into `params`), keeping its options.
 
     Mirrors `DistributedDataParallel._ddp_init_helper` (distributed.py): the `dist.Reducer` built
     there, its `dist.Logger`, and `register_comm_hook`'s re-registration through
-    `dist._register_comm_hook`. `bucket_bytes` are the per-bucket caps, used both for the initial
-    buckets and for DDP's later rebuild (`bucket_bytes_cap_list`, new in torch 2.13), so a rebuild
-    from the observed gradient order cuts in the same places. Marks DDP as rebuilt
-    (`_has_rebuilt_buckets`) so that its own bookkeeping agrees that the buckets are final.
+    `dist._register_comm_hook`.
+
+    A new reducer rebuilds its buckets once, after its first backward, from the order in which
+    gradients became ready (`Reducer::rebuild_buckets` in `reducer.cpp`), cut by per-bucket byte
+    caps that each dtype/device walks separately (`compute_bucket_assignment_by_size`). Left alone,
+    that rebuild can move our boundaries (mixed dtypes, gradients produced outside any graph). So
+    the rebuild is done right away, on our terms: parameters are handed to the reducer in bucket
+    order, each bucket's caps are chosen so that it closes exactly at its last parameter, and
+    `_push_all_rebuilt_params` + `_rebuild_buckets` (a broadcast from rank 0: every rank calls this
+    together) freeze that layout (`has_rebuilt_bucket_`). Returns False when no cap list can
+    reproduce the layout (several dtypes whose buckets need conflicting caps): then DDP's own
+    rebuild runs after the first backward, as before.
     """
+    new_layout, start = [], 0
+    for bucket in layout:
+        new_layout.append(list(range(start, start + len(bucket))))
+        start += len(bucket)
+    # Our order inside each bucket if caps can keep it; else each bucket's largest parameter last,
+    # which widens the range of caps that close it there.
+    for order in ([i for b in layout for i in b], [i for b in layout for i in _largest_last(params, b)]):
+        ordered = [params[i] for i in order]
+        caps = _rebuild_caps(ordered, new_layout)
+        if caps is not None:
+            break
+    sparse = [expect_sparse[i] for i in order] if expect_sparse else []
     config = ddp._bucket_config
     reducer = dist.Reducer(
-        params=list(params),
-        bucket_indices=[list(b) for b in layout],
-        per_bucket_size_limits=list(bucket_bytes),
+        params=ordered,
+        bucket_indices=new_layout,
+        per_bucket_size_limits=[_bucket_bytes(ordered, b) for b in new_layout],
         process_group=ddp.process_group,
-        expect_sparse_gradients=list(expect_sparse),
+        expect_sparse_gradients=sparse,
         bucket_bytes_cap=config.bucket_bytes_cap,
         find_unused_parameters=ddp.find_unused_parameters,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-        param_to_name_mapping=ddp._build_debug_param_to_name_mapping(list(params)),
+        param_to_name_mapping=ddp._build_debug_param_to_name_mapping(ordered),
         first_bucket_bytes_cap=config.first_bucket_bytes_cap,
         skip_all_reduce_unused_params=getattr(ddp, "skip_all_reduce_unused_params", False),
         use_python_reducer=False,
-        bucket_bytes_cap_list=list(bucket_bytes),
+        bucket_bytes_cap_list=caps or [_bucket_bytes(ordered, b) for b in new_layout],
         batched_grad_copy=getattr(ddp, "batched_grad_copy", False),
     )
     logger = dist.Logger(reducer)
@@ -115,6 +134,11 @@ def install_reducer(
         has_sync_bn,
         False,  # static_graph: a blocker above, never set here
     )
+    # With find_unused_parameters the reducer never rebuilds: the layout is already final.
+    frozen = ddp.find_unused_parameters or caps is not None
+    if caps is not None and not ddp.find_unused_parameters:
+        reducer._push_all_rebuilt_params()
+        reducer._rebuild_buckets()
     ddp.reducer = reducer
     ddp.logger = logger
     # The new reducer has no hook yet: the ones registered on the old reducer must keep working.
@@ -122,6 +146,40 @@ def install_reducer(
         logger._set_comm_hook_name(hook.__qualname__)
         dist._register_comm_hook(reducer, state, hook)
     ddp._has_rebuilt_buckets = True
+    return frozen
+
+
+def _bucket_bytes(params: Sequence[torch.nn.Parameter], bucket: Sequence[int]) -> int:
+    return max(1, sum(params[i].numel() * params[i].element_size() for i in bucket))
+
+
+def _largest_last(params: Sequence[torch.nn.Parameter], bucket: Sequence[int]) -> list[int]:
+    """The bucket's parameters with the largest one last: the widest range of caps that close it there."""
+    big = max(bucket, key=lambda i: params[i].numel() * params[i].element_size())
+    return [i for i in bucket if i != big] + [big]
+
+
+def _rebuild_caps(params: Sequence[torch.nn.Parameter], layout: Sequence[Sequence[int]]) -> list[int] | None:
+    """Per-bucket caps under which the rebuild walk reproduces `layout` exactly, or None.
+
+    Each dtype/device walks the cap list from its start, its j-th bucket closing once its bytes reach
+    caps[j]: caps[j] must lie in (bytes - last parameter's bytes, bytes] for the j-th bucket of
+    every dtype/device.
+    """
+    per_key: dict[tuple, list[tuple[int, int]]] = {}
+    for bucket in layout:
+        key = (params[bucket[0]].dtype, params[bucket[0]].device)
+        last = params[bucket[-1]].numel() * params[bucket[-1]].element_size()
+        per_key.setdefault(key, []).append((_bucket_bytes(params, bucket), last))
+    caps = []
+    for j in range(max(len(v) for v in per_key.values())):
+        bounds = [v[j] for v in per_key.values() if j < len(v)]
+        high = min(size for size, _ in bounds)
+        low = max(size - last for size, last in bounds)
+        if not low < high:
+            return None
+        caps.append(high)
+    return caps
 
 
 def default_store() -> dist.Store:

@@ -241,10 +241,6 @@ def test_parameters_used_outside_any_graph_are_reduced_and_match_eager(results):
         assert [sorted(n) for _, n in r["reduced"][1]] == pieces + [sorted(EAGER_PARAMS)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: DDP's own bucket rebuild at step 3 re-cuts by gradient ready order with our per-bucket "
-    "caps in layout order; the trailing bucket's params are ready mid-backward, so the caps shift and "
-    "pieces b and a end up in one bucket"))
 def test_buckets_stay_pieces_after_ddps_rebuild_with_an_eager_region(results):
     per_rank = ok(results, "eager_region")
     assert_real_buckets_are_pieces(per_rank, untouched=EAGER_PARAMS)
@@ -268,9 +264,6 @@ def test_mixed_dtypes_match_eager_bf16_tightly_and_not_fp32(results):
         assert [sorted(n) for _, n in r["reduced"][1]] == [sorted(b["params"]) for b in buckets]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: with mixed dtypes, DDP's bucket rebuild at step 3 consumes our per-bucket caps per "
-    "dtype, so fp32 and bf16 pieces are cut at the wrong sizes (c split, b and d merged)"))
 def test_mixed_dtype_buckets_stay_pieces_after_ddps_rebuild(results):
     assert_real_buckets_are_pieces(ok(results, "mixed_dtypes"))
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from launch.net import free_port
-from tests.multi_gpu.test_launch import _procs_with
+from tests.procs import kill_marked, procs_with
 
 pytestmark = pytest.mark.multi_gpu
 
@@ -71,14 +71,6 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-def _kill_marked(marker: str) -> None:
-    for entry in _procs_with(marker):
-        try:
-            os.kill(int(entry.split(":", 1)[0]), signal.SIGKILL)
-        except OSError:
-            pass
-
-
 @pytest.fixture
 def fault_job(tmp_path: Path):
     """`fault_job(fault, *launch_args)` runs the rank script through the launcher; returns (result, end time)."""
@@ -98,7 +90,7 @@ def fault_job(tmp_path: Path):
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            _kill_marked(marker)
+            kill_marked(marker)
             out, err = proc.communicate()
             pytest.fail(f"launcher did not finish within {timeout}s; stdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.time()
@@ -108,11 +100,11 @@ def fault_job(tmp_path: Path):
     try:
         yield run
         deadline = time.monotonic() + 5
-        while (left := _procs_with(marker)) and time.monotonic() < deadline:
+        while (left := procs_with(marker)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not left, f"processes left behind: {left}"
     finally:
-        _kill_marked(marker)  # also on a pytest-timeout, which raises inside the test
+        kill_marked(marker)  # also on a pytest-timeout, which raises inside the test
 
 
 def _fault_time(stdout: str) -> float:

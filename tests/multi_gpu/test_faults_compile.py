@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from launch.net import free_port
-from tests.multi_gpu.test_launch import _procs_with
+from tests.procs import kill_marked, procs_with
 
 pytestmark = pytest.mark.multi_gpu
 
@@ -86,14 +86,6 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-def _kill_marked(marker: str) -> None:
-    for entry in _procs_with(marker):
-        try:
-            os.kill(int(entry.split(":", 1)[0]), signal.SIGKILL)
-        except OSError:
-            pass
-
-
 @pytest.fixture
 def job(tmp_path: Path):
     """`job(fault, mode)` runs the rank script on 2 gloo ranks through the launcher: (result, seconds)."""
@@ -115,7 +107,7 @@ def job(tmp_path: Path):
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            _kill_marked(marker)
+            kill_marked(marker)
             out, err = proc.communicate()
             pytest.fail(f"launcher did not finish within {timeout}s; stdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.monotonic() - start
@@ -123,11 +115,11 @@ def job(tmp_path: Path):
     try:
         yield run
         deadline = time.monotonic() + 5
-        while (left := _procs_with(marker)) and time.monotonic() < deadline:
+        while (left := procs_with(marker)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not left, f"processes left behind: {left}"
     finally:
-        _kill_marked(marker)  # also on a pytest-timeout
+        kill_marked(marker)  # also on a pytest-timeout
 
 
 def _results(stdout: str) -> dict[int, dict]:

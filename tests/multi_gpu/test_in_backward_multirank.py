@@ -1,0 +1,207 @@
+"""`train_step(..., ddp="in_graph", optimizer_in_backward=True)` on 2 ranks, against eager DDP + eager optimizer.
+
+Each scenario runs 5 optimizer updates on rank-dependent data and a hand-written eager DDP loop with the
+same optimizer, schedule, accumulation and clipping in the same processes; it checks the parameters
+(rtol 1e-4 on aot_eager), the optimizer state, that updates 2.. ran inside the backward (and update 1
+on the normal path, which creates the optimizer state), that the gradients were freed, and that both
+ranks hold identical parameters. All scenarios run in one 2-rank launch (module-scoped fixture).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.multi_gpu.ddp_compare import ok, run_scenarios, snapshot
+from tests.ranks import run_ranks
+
+pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(420)]
+
+UPDATES = 5
+CAP_MB = 0.015
+CLIP = 0.05
+
+
+def make_model() -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Linear(16, 64), nn.GELU()]
+    for _ in range(3):
+        layers += [nn.Linear(64, 64), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(64, 8))
+
+
+def make_data(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(n)]
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+}
+SCHEDULES = {
+    None: None,
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=UPDATES, eta_min=1e-4),
+}
+
+
+def _eager_loop(ddp, opt, sched, data, *, accum, clip, loss_fn):
+    for i, (x, y) in enumerate(data):
+        last = (i + 1) % accum == 0
+        with ddp.no_sync() if not last else contextlib.nullcontext():
+            (loss_fn(ddp(x), y) / accum).backward()
+        if last:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
+
+
+def _state(opt) -> dict:
+    return {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+            for k, s in opt.state_dict()["state"].items()}
+
+
+def _scenario(rank: int, *, opt: str, sched: str | None = None, accum: int = 1, clip: float | None = None,
+              make=make_model, data=None, loss_fn=F.mse_loss, checkpoint: bool = False) -> dict:
+    import compile_core
+
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    initial = snapshot(model)
+    ours, theirs = DDP(model, bucket_cap_mb=CAP_MB), DDP(ref, bucket_cap_mb=CAP_MB)
+    optimizer, ref_opt = OPTIMIZERS[opt](model.parameters()), OPTIMIZERS[opt](ref.parameters())
+    schedule = SCHEDULES[sched](optimizer) if sched else None
+    step = compile_core.train_step(ours, optimizer, loss_fn, backend="aot_eager", ddp="in_graph",
+                                   optimizer_in_backward=True, accum_steps=accum, clip_grad_norm=clip,
+                                   lr_scheduler=schedule)
+    data = data or make_data(rank, accum * UPDATES)
+    grads_left = []
+    for x, y in data:
+        step(x, y)
+        if step.applied:
+            grads_left.append(sum(p.grad is not None for p in model.parameters()))
+    _eager_loop(theirs, ref_opt, SCHEDULES[sched](ref_opt) if sched else None, data, accum=accum, clip=clip,
+                loss_fn=loss_fn)
+    out = {"params": snapshot(model), "ref": snapshot(ref), "initial": initial, "state": _state(optimizer),
+           "ref_state": _state(ref_opt), "grads_left": grads_left, "report": step.report().to_dict(),
+           "lr": float(optimizer.param_groups[0]["lr"]), "ref_lr": float(ref_opt.param_groups[0]["lr"])}
+    if checkpoint:
+        # The optimizer's checkpoint must load into a plain eager optimizer and continue like eager.
+        buf = io.BytesIO()
+        torch.save(optimizer.state_dict(), buf)
+        fresh = OPTIMIZERS[opt](ref.parameters())
+        fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+        out["loaded_state"] = _state(fresh)
+        out["loaded_lr"] = fresh.param_groups[0]["lr"]
+    return out
+
+
+def _llama():
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _llama_scenario(rank: int) -> dict:
+    g = torch.Generator().manual_seed(100 + rank)
+    data = [(torch.randint(0, 64, (2, 12), generator=g), torch.randint(0, 64, (2, 12), generator=g))
+            for _ in range(UPDATES)]
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1))
+
+    return _scenario(rank, opt="sgd_momentum", make=_llama, data=data, loss_fn=loss_fn)
+
+
+SCENARIOS = {
+    "sgd_momentum": lambda rank: _scenario(rank, opt="sgd_momentum"),
+    "sgd_nesterov": lambda rank: _scenario(rank, opt="sgd_nesterov"),
+    "adam": lambda rank: _scenario(rank, opt="adam"),
+    "adamw_cosine": lambda rank: _scenario(rank, opt="adamw", sched="cosine", checkpoint=True),
+    "adamw_foreach": lambda rank: _scenario(rank, opt="adamw_foreach"),
+    "adamw_accum2": lambda rank: _scenario(rank, opt="adamw", accum=2),
+    "adamw_clip": lambda rank: _scenario(rank, opt="adamw", clip=CLIP),
+    "sgd_accum2_clip": lambda rank: _scenario(rank, opt="sgd_momentum", accum=2, clip=CLIP),
+    "rmsprop_not_supported": lambda rank: _scenario(rank, opt="rmsprop"),
+    "llama": _llama_scenario,
+}
+
+
+def _all_scenarios(rank: int, world_size: int) -> dict:
+    return run_scenarios(SCENARIOS, rank)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all_scenarios, world_size=2, timeout=400)
+
+
+def _assert_like_eager(per_rank: list[dict], *, rtol: float = 1e-4, atol: float = 1e-6, active: bool = True) -> None:
+    for rank, r in enumerate(per_rank):
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, r["ref"][name], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank} {name} vs eager: {m}")
+        assert any(not torch.equal(p, r["initial"][n]) for n, p in r["params"].items()), "training changed nothing"
+        for k, state in r["ref_state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(torch.as_tensor(r["state"][k][key]).double(),
+                                           torch.as_tensor(value).double(), rtol=rtol, atol=atol,
+                                           msg=lambda m: f"rank {rank} state {k}.{key}: {m}")
+        iob = r["report"]["optimizer_in_backward"]
+        assert iob["requested"] and iob["active"] is active, iob
+        if active:
+            assert iob["from_update"] == 2 and iob["updates_in_backward"] == UPDATES - 1, iob
+            # update 1 ran the normal path (its gradients are cleared by zero_grad); later ones kept none
+            assert r["grads_left"][1:] == [0] * (UPDATES - 1), r["grads_left"]
+    for name, p in per_rank[0]["params"].items():
+        assert torch.equal(p, per_rank[1]["params"][name]), f"{name} differs between ranks"
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "sgd_nesterov", "adam", "adamw_foreach", "adamw_accum2"])
+def test_update_inside_the_backward_matches_eager(results, name):
+    _assert_like_eager(ok(results, name))
+
+
+def test_adamw_with_a_schedule_and_a_checkpoint_that_loads_into_an_eager_optimizer(results):
+    per_rank = ok(results, "adamw_cosine")
+    _assert_like_eager(per_rank)
+    for r in per_rank:
+        assert r["lr"] == pytest.approx(r["ref_lr"], rel=1e-12)
+        assert isinstance(r["loaded_lr"], float)
+        for k, state in r["loaded_state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(torch.as_tensor(value), torch.as_tensor(r["state"][k][key]))
+    assert [x for x in per_rank[0]["report"]["recompiles"]] == []
+
+
+@pytest.mark.parametrize("name", ["adamw_clip", "sgd_accum2_clip"])
+def test_clipping_uses_the_global_norm_after_the_last_all_reduce(results, name):
+    per_rank = ok(results, name)
+    _assert_like_eager(per_rank)
+    assert "global norm" in per_rank[0]["report"]["optimizer_in_backward"]["clip"]
+
+
+def test_an_unsupported_optimizer_keeps_the_normal_path_and_says_why(results):
+    per_rank = ok(results, "rmsprop_not_supported")
+    _assert_like_eager(per_rank, active=False)
+    assert "RMSprop" in per_rank[0]["report"]["optimizer_in_backward"]["reason"]
+
+
+def test_a_transformers_llama_trains_like_eager(results):
+    _assert_like_eager(ok(results, "llama"), rtol=1e-4, atol=1e-5)
