@@ -56,6 +56,19 @@ def decompositions() -> dict:
     return select_decomp_table()
 
 
+def order_after(graph: fx.Graph, deps: dict[fx.Node, list[fx.Node]]) -> None:
+    """Make each node in `deps` run after the nodes listed for it, whatever Inductor's scheduler prefers.
+
+    Mirrors `torch/_inductor/fx_passes/control_dependencies.py: preserve_node_ordering`: the node
+    is wrapped in the `control_deps` higher-order op, which Inductor lowers keeping the order and
+    which runs eagerly (aot_eager) as the node itself.
+    """
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    preserve_node_ordering(graph, {node: OrderedSet(before) for node, before in deps.items() if before})
+
+
 def partitioner_patch(partition: Callable[..., Any], uuid: str) -> dict[str, Any]:
     """Inductor config that runs `partition(joint_gm, joint_inputs, **kwargs)` instead of min-cut.
 

@@ -41,6 +41,7 @@ import torch.fx as fx
 
 from aot.torch_dynamo import grad_outputs, graph_fake_mode, input_placeholders, save_for_backward
 from ddp.bucketing.grad_buckets import GradBucketPlan
+from inductor.torch_inductor import order_after
 
 _ops = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -117,6 +118,8 @@ class _Issued:
     reduced: fx.Node  # the all_reduce node
     index: int  # input indices follow `members`
     input_indices: list[int]
+    wait: fx.Node | None = None  # its wait_tensor, once placed
+    last_update: fx.Node | None = None  # the last node of its parameters' update
 
 
 def insert_bucketed_all_reduce(
@@ -175,6 +178,7 @@ def _wait_and_split(builder: _Builder, bucket: _Issued) -> list[tuple[int, fx.No
     """wait_tensor on the bucket, then one gradient view per member: [(output position, view)]."""
     graph = builder.graph
     done = builder.call(_c10d.wait_tensor.default, [bucket.reduced])
+    bucket.wait = done
     parts = builder.call(_ops.split_with_sizes.default, [done, [n.meta["val"].numel() for _, n in bucket.members]])
     views = []
     for k, (position, node) in enumerate(bucket.members):
@@ -219,7 +223,7 @@ def _insert_updates(
                 outputs[position] = view  # not the optimizer's: autograd stores its gradient as usual
                 continue
             grad = view if scale is None else builder.call(_ops.mul.Tensor, [view, scale])
-            _apply_update(builder, updates, index, input_node, grad)
+            bucket.last_update = _apply_update(builder, updates, index, input_node, grad) or bucket.last_update
             outputs[position] = None  # updated in place: no gradient is kept
 
     if updates.clip_max_norm is not None:
@@ -240,20 +244,35 @@ def _insert_updates(
         return
     end = output.prev  # the backward's own last node, before any update is added
     by_issue = sorted(issued, key=lambda b: order[b.reduced])
+    previous: tuple[int, fx.Node] | None = None  # (anchor position, last node) of the block placed before
     for k, bucket in enumerate(by_issue):
         # Pipelined: bucket k's update overlaps the next bucket's all-reduce, and comes after every
-        # read of bucket k's parameters by the rest of the backward.
+        # read of bucket k's parameters by the rest of the backward, and after bucket k-1's block.
         anchor = by_issue[k + 1].reduced if k + 1 < len(by_issue) else end
         anchor = max(anchor, last_reader(bucket), key=order.__getitem__)
+        position = order[anchor]
+        if previous is not None and position <= previous[0]:
+            position, anchor = previous[0], previous[1]
         with graph.inserting_after(anchor):
             marker = graph.call_function(_ops.alias.default, (bucket.reduced,))  # insertion point, removed below
         with graph.inserting_before(marker):
             finish(bucket, _wait_and_split(builder, bucket))
+        previous = (position, marker.prev)
         graph.erase_node(marker)
+    # Inductor's scheduler may otherwise sink a wait below a later bucket's update: pin the pipeline
+    # order issue(k+1) -> wait(k) -> update(k) -> wait(k+1).
+    deps: dict[fx.Node, list[fx.Node]] = {}
+    for k, bucket in enumerate(by_issue):
+        after = [by_issue[k + 1].reduced] if k + 1 < len(by_issue) else []
+        if k > 0 and by_issue[k - 1].last_update is not None:
+            after.append(by_issue[k - 1].last_update)
+        if bucket.wait is not None and after:
+            deps[bucket.wait] = after
+    order_after(graph, deps)
 
 
 def _apply_update(builder: _Builder, updates: UpdateSpec, index: int, input_node: Callable[[int], fx.Node],
-                  grad: fx.Node) -> None:
+                  grad: fx.Node) -> fx.Node | None:
     """Copy the parameter's update template into the backward, on the real parameter and state."""
     template = updates.templates[index]
     roles = [input_node(index), grad] + [input_node(i) for i in updates.role_inputs[index]]
@@ -262,8 +281,10 @@ def _apply_update(builder: _Builder, updates: UpdateSpec, index: int, input_node
     for role, position in zip(roles, template.positions):
         if position is not None:
             env[placeholders[position]] = role
+    last = None
     for node in template.graph.graph.nodes:
         if node.op == "call_function":
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            env[node] = builder.call(node.target, args, kwargs)
+            env[node] = last = builder.call(node.target, args, kwargs)
+    return last

@@ -4,6 +4,7 @@ names the function to update, instead of a confusing failure deep inside a compi
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 
 import pytest
@@ -229,3 +230,107 @@ def test_an_error_raised_in_a_backend_is_found_inside_dynamos_wrapper():
         with pytest.raises(torch_dynamo.DynamoError) as caught:
             torch.compile(lambda x: x + 1, backend=backend)(torch.randn(2))
         assert isinstance(torch_dynamo.root_cause(caught.value, _OwnError), _OwnError)
+
+
+# -- the AOT graph internals of ddp="in_graph" ----------------------------------------------------------
+
+
+def _partitioned(fn, *inputs):
+    """The joint graph, and the forward/backward graphs AOTAutograd partitions it into, for `fn`."""
+    from functorch.compile import min_cut_rematerialization_partition
+
+    seen = {}
+
+    def partition(joint, joint_inputs, **kwargs):
+        seen["joint"] = copy.deepcopy(joint.graph)
+        seen["fw"], seen["bw"] = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        return seen["fw"], seen["bw"]
+
+    backend = torch_dynamo.aot_autograd_backend(fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward,
+                                                partition_fn=partition)
+    torch.compile(fn, backend=backend)(*inputs).sum().backward()
+    return seen
+
+
+def test_gradient_outputs_name_their_inputs():
+    with canary("aot/torch_dynamo.py:grad_outputs/input_placeholders/graph_fake_mode"):
+        w, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, requires_grad=True)
+        seen = _partitioned(lambda x: torch.nn.functional.linear(x, w, b), torch.randn(2, 4))
+        grads = torch_dynamo.grad_outputs(seen["bw"].graph)
+        shapes = {i: tuple(node.meta["val"].shape) for i, (_, node) in grads.items()}
+        assert sorted(shapes.values()) == [(3,), (3, 4)], shapes
+        assert set(torch_dynamo.input_placeholders(seen["joint"])) >= set(grads)
+        assert torch_dynamo.graph_fake_mode(seen["bw"].graph) is not None
+
+
+def test_a_forward_input_can_be_saved_for_the_backward():
+    with canary("aot/torch_dynamo.py:save_for_backward"):
+        w = torch.randn(4, requires_grad=True)
+        seen = _partitioned(lambda x, b: x * w + b, torch.randn(4), torch.randn(4))
+        fw, bw = seen["fw"], seen["bw"]
+        saved = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+        unused = next(n for n in fw.graph.nodes if n.op == "placeholder" and n.name not in saved)  # `b`
+        before = len([n for n in bw.graph.nodes if n.op == "placeholder"])
+        placeholder = torch_dynamo.save_for_backward(fw, bw, unused)
+        assert placeholder.op == "placeholder"
+        assert len([n for n in bw.graph.nodes if n.op == "placeholder"]) == before + 1
+        assert torch_dynamo.save_for_backward(fw, bw, unused) is placeholder  # saved once
+
+
+def test_a_mutating_function_is_captured_as_a_functional_graph():
+    with canary("aot/torch_dynamo.py:capture_functional"):
+        def update(p, g, lr):
+            p.sub_(g * lr)
+
+        args = [torch.ones(4), torch.full((4,), 2.0), torch.tensor(0.5)]
+        graph, positions = torch_dynamo.capture_functional(update, args)
+        assert sorted(p for p in positions if p is not None) == [0, 1, 2]
+        assert any(n.target is torch.ops.aten.copy_.default for n in graph.graph.nodes)
+        p = torch.ones(4)
+        inputs = [None] * 3
+        for arg, pos in zip([p, torch.full((4,), 2.0), torch.tensor(0.5)], positions):
+            inputs[pos] = arg
+        graph(*inputs)
+        torch.testing.assert_close(p, torch.zeros(4))
+
+
+def test_extra_inputs_leave_dynamos_graph_alone():
+    with canary("aot/torch_dynamo.py:with_extra_inputs"):
+        seen = {}
+
+        def backend(gm, example_inputs):
+            extended = torch_dynamo.with_extra_inputs(gm, ["extra"])
+            seen["placeholders"] = [n.name for n in extended.graph.nodes if n.op == "placeholder"]
+            seen["original"] = len([n for n in gm.graph.nodes if n.op == "placeholder"])
+            compiled = torch_dynamo.aot_autograd_backend(fw_compiler=lambda g, i: g.forward)(
+                extended, [*example_inputs, torch.zeros(1)])
+            return lambda *args: compiled(*args, torch.zeros(1))
+
+        torch.compile(lambda x: x * 2, backend=backend)(torch.randn(3))
+        assert seen["placeholders"][-1] == "extra" and len(seen["placeholders"]) == seen["original"] + 1
+
+
+def test_inductor_takes_a_custom_partitioner_and_its_decompositions():
+    with canary("inductor/torch_inductor.py:partitioner_patch/decompositions"):
+        import pickle
+
+        patch = torch_inductor.partitioner_patch(lambda *a, **k: None, "uuid-1")
+        fn = patch["custom_partitioner_fn"]
+        assert fn.uuid() == "uuid-1"
+        assert pickle.loads(pickle.dumps(fn)).uuid() == "uuid-1"  # goes into Inductor's cache keys
+        table = torch_inductor.decompositions()
+        assert isinstance(table, dict) and torch.ops.aten.linalg_vector_norm.default in table
+
+
+def test_the_default_store_and_the_end_of_backward_queue():
+    with canary("ddp/torch_ddp.py:default_store/queue_end_of_backward"):
+        store = torch_ddp.default_store()
+        store.set("canary", b"1")
+        assert store.get("canary") == b"1"
+        order = []
+        w = torch.randn(2, requires_grad=True)
+        y = (w * 2).sum()
+        y.register_hook(lambda g: torch_ddp.queue_end_of_backward(lambda: order.append("end")) or None)
+        w.register_hook(lambda g: order.append("grad") or None)
+        y.backward()
+        assert order == ["grad", "end"]
