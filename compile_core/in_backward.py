@@ -31,11 +31,9 @@ update); `TORCH_LOGS=output_code` shows the update kernels between the backward'
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
-import torch.fx as fx
 
 from aot.torch_dynamo import capture_functional
 from ddp.in_graph.graph_pass import UpdateTemplate

@@ -49,7 +49,6 @@ Note (design):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from typing import Any, Callable
 

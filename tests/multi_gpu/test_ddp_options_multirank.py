@@ -29,37 +29,14 @@ from tests.multi_gpu.ddp_compare import (
     train_against_eager,
     update_rel_err,
 )
+from tests.multi_gpu.models import LAYERS, WIDTH, GraphBreak, WithBatchNorm, WithUnused, batch, mlp
 from tests.ranks import run_ranks
 
 # One launch for the whole module (module-scoped fixture); the *_multirank.py name keeps every test of
 # it on one xdist worker (see pytest_xdist_make_scheduler in tests/conftest.py).
 pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(420)]
 
-WIDTH = 64
 CAP_MB = 0.015  # just under one Linear(64, 64) (16,640 bytes): one layer per bucket, one bucket per piece
-LAYERS = 5
-
-
-def mlp(n: int = LAYERS) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(n):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor]:
-    # Different data on every rank: DDP's average then differs from each rank's own gradient.
-    return (torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1000 * rank + step)),)
-
-
-class WithUnused(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
-        self.unused = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
 class EagerMiddle(nn.Module):
@@ -115,20 +92,6 @@ class Frozen(nn.Module):
         return self.layers[-1](x)
 
 
-class GraphBreak(nn.Module):
-    """Two graphs (an explicit break in the middle), three layers each."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = mlp(3)
-        self.second = mlp(3)
-
-    def forward(self, x):
-        x = torch.tanh(self.first(x))
-        torch._dynamo.graph_break()
-        return self.second(x)
-
-
 class AutocastMiddle(nn.Module):
     """An autocast (bf16) region spanning three layers, so it crosses several piece boundaries."""
 
@@ -143,19 +106,6 @@ class AutocastMiddle(nn.Module):
             for layer in self.layers[1:4]:
                 x = torch.tanh(layer(x))
         return self.layers[4](x.float())
-
-
-class WithBatchNorm(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
-            nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
-            nn.Linear(WIDTH, WIDTH),
-        )
-
-    def forward(self, x):
-        return self.net(x)
 
 
 def _train(rank: int, make_model, **kwargs) -> dict:

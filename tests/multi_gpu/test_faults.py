@@ -10,25 +10,16 @@ process group would not be enough.
 """
 from __future__ import annotations
 
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import textwrap
-import time
-import uuid
-from pathlib import Path
 
 import pytest
 
-from launch.net import free_port
-from tests.procs import kill_marked, procs_with
+from tests.multi_gpu.launch_jobs import LaunchJob, launch_job_fixture
 
 pytestmark = pytest.mark.multi_gpu
 
-REPO = Path(__file__).resolve().parents[2]
 
 # Steps: heartbeat, all-reduce, print. FAULT picks what rank 1 does once steps 1 and 2 are done.
 RANK_SCRIPT = textwrap.dedent(
@@ -71,40 +62,18 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
+_job = pytest.fixture(launch_job_fixture("faulttest", RANK_SCRIPT))
+
+
 @pytest.fixture
-def fault_job(tmp_path: Path):
+def fault_job(_job: LaunchJob):
     """`fault_job(fault, *launch_args)` runs the rank script through the launcher; returns (result, end time)."""
-    marker = f"faulttest_{uuid.uuid4().hex[:12]}"
-    workdir = tmp_path / marker
-    workdir.mkdir()
-    script = workdir / "rank_script.py"
-    script.write_text(RANK_SCRIPT)
 
-    def run(fault: str, *launch_args: str, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
-        cmd = [sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(free_port()),
-               "--log-dir", str(workdir / "logs"), *launch_args, str(script)]
-        env = dict(os.environ, FAULT=fault)
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            kill_marked(marker)
-            out, err = proc.communicate()
-            pytest.fail(f"launcher did not finish within {timeout}s; stdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.time()
+    def run(fault: str, *launch_args: str, timeout: float):
+        return _job.run(*launch_args, env={"FAULT": fault}, timeout=timeout)
 
-    run.marker = marker
-    run.script = script
-    try:
-        yield run
-        deadline = time.monotonic() + 5
-        while (left := procs_with(marker)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not left, f"processes left behind: {left}"
-    finally:
-        kill_marked(marker)  # also on a pytest-timeout, which raises inside the test
+    run.marker, run.script = _job.marker, _job.script
+    return run
 
 
 def _fault_time(stdout: str) -> float:

@@ -8,24 +8,16 @@ must end the job with the launcher naming that rank. Every case asserts its wall
 """
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import textwrap
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 
-from launch.net import free_port
-from tests.procs import kill_marked, procs_with
+from tests.multi_gpu.launch_jobs import LaunchJob, launch_job_fixture
 
 pytestmark = pytest.mark.multi_gpu
 
-REPO = Path(__file__).resolve().parents[2]
 
 RANK_SCRIPT = textwrap.dedent(
     """
@@ -86,40 +78,21 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
+_job = pytest.fixture(launch_job_fixture("compilefault", RANK_SCRIPT))
+
+
 @pytest.fixture
-def job(tmp_path: Path):
+def job(_job: LaunchJob):
     """`job(fault, mode)` runs the rank script on 2 gloo ranks through the launcher: (result, seconds)."""
-    marker = f"compilefault_{uuid.uuid4().hex[:12]}"
-    workdir = tmp_path / marker
-    workdir.mkdir()
-    script = workdir / "rank_script.py"
-    script.write_text(RANK_SCRIPT)
 
-    def run(fault: str, mode: str, *, backend: str = "aot_eager", timeout: float = 150) -> tuple:
-        cmd = [sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(free_port()),
-               "--log-dir", str(workdir / "logs"), str(script)]
-        env = dict(os.environ, FAULT=fault, MODE=mode, BACKEND=backend, TORCHINDUCTOR_CACHE_DIR=str(workdir / "cache"),
-                   DDP_COMPILE_FIRST_TIMEOUT_S="60", DDP_COMPILE_TIMEOUT_S="30")
-        start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            kill_marked(marker)
-            out, err = proc.communicate()
-            pytest.fail(f"launcher did not finish within {timeout}s; stdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.monotonic() - start
+    def run(fault: str, mode: str, *, backend: str = "aot_eager", timeout: float = 150):
+        env = {"FAULT": fault, "MODE": mode, "BACKEND": backend, "TORCHINDUCTOR_CACHE_DIR": str(_job.workdir / "cache"),
+               "DDP_COMPILE_FIRST_TIMEOUT_S": "60", "DDP_COMPILE_TIMEOUT_S": "30"}
+        start = time.time()
+        res, end = _job.run(env=env, timeout=timeout)
+        return res, end - start
 
-    try:
-        yield run
-        deadline = time.monotonic() + 5
-        while (left := procs_with(marker)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not left, f"processes left behind: {left}"
-    finally:
-        kill_marked(marker)  # also on a pytest-timeout
+    return run
 
 
 def _results(stdout: str) -> dict[int, dict]:

@@ -14,11 +14,11 @@ import io
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.multi_gpu.ddp_compare import ok, run_scenarios, snapshot
+from tests.multi_gpu.models import step_data, step_model
 from tests.ranks import run_ranks
 
 pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(420)]
@@ -28,16 +28,7 @@ CAP_MB = 0.015
 CLIP = 0.05
 
 
-def make_model() -> nn.Sequential:
-    layers: list[nn.Module] = [nn.Linear(16, 64), nn.GELU()]
-    for _ in range(3):
-        layers += [nn.Linear(64, 64), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(64, 8))
-
-
-def make_data(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(n)]
+make_model, make_data = step_model, step_data
 
 
 OPTIMIZERS = {

@@ -15,7 +15,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -29,6 +28,7 @@ from tests.multi_gpu.ddp_compare import (
     snapshot,
     update_rel_err,
 )
+from tests.multi_gpu.models import step_data, step_model
 from tests.ranks import run_ranks
 
 # One launch for the whole module; the *_multirank.py name keeps its tests on one xdist worker.
@@ -39,18 +39,7 @@ UPDATES = 3
 CLIP = 0.05  # below the gradient norms of this model: clipping really scales the update
 
 
-def make_model() -> nn.Sequential:
-    # A plain MLP: every parameter gets a real gradient. (A GPT's key bias gets ~0 gradients, which
-    # AdamW normalises into noise-sized updates that no tight comparison survives.)
-    layers: list[nn.Module] = [nn.Linear(16, 64), nn.GELU()]
-    for _ in range(3):
-        layers += [nn.Linear(64, 64), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(64, 8))
-
-
-def make_data(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
-    return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(n)]
+make_model, make_data = step_model, step_data
 
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
