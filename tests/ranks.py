@@ -13,7 +13,6 @@ import os
 import queue as queue_mod
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -23,11 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launch.net import free_port
 
 
 def backend_for(world_size: int) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.net import free_port
 from tests.procs import kill_marked, procs_with
 
 pytestmark = pytest.mark.multi_gpu
@@ -49,12 +50,6 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _assert_no_leftovers(marker: str, grace: float = 5.0) -> None:
     """No process carrying `marker` survives (after `grace` seconds to exit); any that does is killed
     first, then reported, so a failing test leaves nothing running either."""
@@ -80,7 +75,7 @@ def job(tmp_path: Path):
             self.marker, self.script, self.workdir = marker, script, workdir
 
         def cmd(self, *launch_args: str, script_args: tuple[str, ...] = ()) -> list[str]:
-            return [sys.executable, "-m", "launch", "--rdzv-port", str(_free_port()),
+            return [sys.executable, "-m", "launch", "--rdzv-port", str(free_port()),
                     "--log-dir", str(workdir / "logs"), *launch_args, str(script), *script_args]
 
         def run(self, *launch_args: str, env: dict | None = None, timeout: float = 120,
@@ -235,7 +230,7 @@ def test_component_is_registered_next_to_dist():
 @pytest.mark.timeout(300)
 def test_demo_job_runs_compiled(tmp_path):
     marker = f"launchdemo_{uuid.uuid4().hex[:12]}"
-    res = _run([sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(_free_port()),
+    res = _run([sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(free_port()),
                 "--log-dir", str(tmp_path / marker), "--env", f"LAUNCH_TEST_MARKER={marker}",
                 "--inductor-cache-dir", str(tmp_path / "inductor_cache"),
                 str(REPO / "examples" / "train_gpt.py"),
