@@ -89,8 +89,8 @@ def timers_since(before: Snapshot) -> dict[str, float]:
 def counters_since(before: Snapshot) -> dict[str, dict[str, int]]:
     """Counter increments since `before`, only the non-zero ones."""
     now = snapshot().counters
-    return {group: {k: v - before.counters[group].get(k, 0) for k, v in keys.items() if v - before.counters[group].get(k, 0)}
-            for group, keys in now.items()}
+    deltas = {group: {k: v - before.counters[group].get(k, 0) for k, v in keys.items()} for group, keys in now.items()}
+    return {group: {k: d for k, d in keys.items() if d} for group, keys in deltas.items()}
 
 
 def compile_seconds(timers: Mapping[str, float]) -> float:

@@ -109,7 +109,8 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     wanted = [w.strip() for w in workloads.split(",") if w.strip()]
     unknown = [w for w in wanted if w not in WORKLOAD_NAMES]
     if unknown or not wanted:
-        raise ValueError(f"--workloads {workloads!r}: unknown {unknown}; use a comma list from {','.join(WORKLOAD_NAMES)}")
+        raise ValueError(f"--workloads {workloads!r}: unknown {unknown}; use a comma list from "
+                         f"{','.join(WORKLOAD_NAMES)}")
     if args.profile_steps is not None and args.profile_steps < 0:
         raise ValueError(f"--profile-steps {args.profile_steps}: pass 0 (no profiling) or more")
     out_dir = args.out_dir or (REPO_ROOT / "bench_out" / preset)

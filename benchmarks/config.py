@@ -90,7 +90,8 @@ class Workload:
                 f"Workload({self.name}): d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 "pick --heads that divides --d-model"
             )
-        if self.bucket_cap_mb is not None and not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
+        cap = self.bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
             raise ValueError(f"Workload({self.name}).bucket_cap_mb={self.bucket_cap_mb!r}: pass a positive MiB "
                              "value, or None for the config's cap")
 

@@ -24,7 +24,7 @@ Consequence, as for the recorder: compute that runs after the last issue (optimi
 updates of earlier buckets) is not counted as hiding the last all-reduce, so that mode's exposed ms is an
 upper bound.
 
-Tensor peak: with `profile_memory=True` every CPU allocation and free is a `[memory]` event with signed
+Tensor peak (host tensors): with `profile_memory=True` every CPU allocation and free is a `[memory]` event with signed
 bytes; the running sum over a step, in time order, peaks at the most tensor memory the step held above
 what was alive when it started (gradients, activations, all-reduce buffers; not the parameters or the
 optimizer state, which live across steps). Unlike the RSS high-water mark it does not see the allocator's
@@ -179,10 +179,14 @@ class StepProfiler:
 def kineto_events(prof: Any) -> list[Event]:
     """The profile's raw events. Reads `profile.profiler.kineto_results.events()` (torch/autograd/profiler.py,
     torch/profiler/profiler.py): the public `prof.events()` drops the `[memory]` events and their bytes."""
+    from torch.autograd import DeviceType
+
     results = prof.profiler.kineto_results
     out = []
     for e in results.events():
         start = e.start_ns() / 1e3
+        if e.name() == MEMORY and e.device_type() != DeviceType.CPU:
+            continue  # host tensors only: GPU ranks report their device peak separately (steady_peak_cuda_mb)
         out.append(Event(name=e.name(), thread=e.start_thread_id(), start_us=start,
                          end_us=max(start, e.end_ns() / 1e3), nbytes=int(e.nbytes()) if e.name() == MEMORY else 0))
     return out

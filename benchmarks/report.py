@@ -196,8 +196,9 @@ def _details_section(result: dict[str, Any], rel) -> list[str]:
                          else f"NOT active: {in_backward.get('reason')}")
                 lines.append(f"- {name} / `{mode}` optimizer in backward: {state}")
             if a.get("compiles_after_warmup"):
-                lines.append(f"- {name} / `{mode}` compiled during timed steps (job, rank, steps): "
-                             f"{a['compiles_after_warmup']}")
+                where = "; ".join(f"{job} rank {rank} step(s) {steps}" for job, rank, steps in a["compiles_after_warmup"])
+                lines.append(f"- {name} / `{mode}` compiled after the warm-up (0-based steps; timed or profiled "
+                             f"steps include compile time): {where}")
             if a.get("partial_failures"):
                 lines.append(f"- {name} / `{mode}` some jobs failed: `{_short(a['partial_failures'][0], 300)}`")
     return lines

@@ -47,7 +47,8 @@ def main_table(data: dict[str, Any]) -> list[str]:
         warm = a["first_step_s_warm"] if a["first_step_s_warm"] is not None else a["first_step_s_smoke"]
         cold = a["first_step_s_cold"] if mode != "eager" else None
         rows.append(_row([
-            mode, "ok", _fmt(a["pieces"], "d"), _fmt(a["step_ms"]), f"{_fmt(a['step_ms_min'])}-{_fmt(a['step_ms_max'])}",
+            mode, "ok", _fmt(a["pieces"], "d"), _fmt(a["step_ms"]),
+            f"{_fmt(a['step_ms_min'])}-{_fmt(a['step_ms_max'])}",
             _per_rank(a.get("steady_peak_rss_mb_per_rank")), _per_rank(prof.get("tensor_peak_mb_per_rank"), ".1f"),
             _per_rank(a.get("peak_rss_mb_per_rank")),
             _fmt(cold, ".1f", "no compile" if mode == "eager" else "-"), _fmt(warm, ".1f"),
@@ -96,8 +97,8 @@ def breakdown_table(data: dict[str, Any]) -> list[str]:
     return rows if len(rows) > 2 else []
 
 
-COMPARISON_COLUMNS = ["ours", "peer", "cold 1st step / peer", "warm 1st step / peer", "best PyTorch mode",
-                      "step ms / best PyTorch"]
+COMPARISON_COLUMNS = ["ours", "peer", "cold 1st step / peer", "warm 1st step / peer",
+                      "cold warm-up compile / peer", "best PyTorch mode", "step ms / best PyTorch"]
 
 
 def comparison_table(data: dict[str, Any]) -> list[str]:
@@ -106,7 +107,8 @@ def comparison_table(data: dict[str, Any]) -> list[str]:
     for c in data.get("comparisons", []):
         warm = c.get("first_step_warm_vs_peer", c.get("first_step_smoke_vs_peer"))
         rows.append(_row([c["mode"], c["peer"], _fmt(c.get("first_step_cold_vs_peer"), ".2f"), _fmt(warm, ".2f"),
-                          c.get("best_torch") or "-", _fmt(c.get("step_ms_vs_best_torch"), ".2f")]))
+                          _fmt(c.get("warmup_compile_cold_vs_peer"), ".2f"), c.get("best_torch") or "-",
+                          _fmt(c.get("step_ms_vs_best_torch"), ".2f")]))
     return rows if len(rows) > 2 else []
 
 

@@ -40,6 +40,13 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _cuda_peak_mb(device) -> float | None:
+    """GPU memory the timed steps allocated at most (on GPU ranks the RSS peak misses the device memory)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
 def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -82,6 +89,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     ]
     clock = StepClock()
     peaks = memory.PeakTracker()
+    cuda_peak = None
     profiler = None
     step_s: list[float] = []
     losses: list[float] = []
@@ -89,8 +97,11 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         for i, (x, y) in enumerate(batches):
             if i == warmup:
                 peaks.start_steady()  # the steady-state peak covers the timed steps only
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
             if i == warmup + steps:
                 peaks.stop_steady()
+                cuda_peak = _cuda_peak_mb(device)
                 profiler = stack.enter_context(_profiler())  # extra steps after the timed ones: never timed
             mark_step = profiler.mark_step() if profiler is not None else contextlib.nullcontext()
             clock.start()
@@ -102,7 +113,9 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
             step_s.append(time.perf_counter() - t0)
             clock.stop(step_s[-1])
             losses.append(float(loss))  # outside the timed region
-    peaks.stop_steady()  # no-op when the profiled steps already stopped it
+    if profiled == 0:
+        peaks.stop_steady()
+        cuda_peak = _cuda_peak_mb(device)
 
     final = torch.tensor([losses[-1]], dtype=torch.float64, device=device)
     dist.all_reduce(final)
@@ -124,6 +137,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "param_checksum": param_checksum(dict(model.named_parameters()), initial),
         "peak_rss_mb": peaks.process_peak_mb(),
         "steady_peak_rss_mb": peaks.steady_mb,
+        "steady_peak_cuda_mb": cuda_peak,
         "compile": clock.summary(warmup),
         "info": step.info(),
     }

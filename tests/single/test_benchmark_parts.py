@@ -236,7 +236,8 @@ def test_make_optimizer_builds_the_configured_optimizer():
     from benchmarks.modes import make_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(2))]
-    opt = make_optimizer("adamw", params, BenchConfig(workloads=(Workload(name="w"),), optimizer="adamw").optimizer_kwargs())
+    kwargs = BenchConfig(workloads=(Workload(name="w"),), optimizer="adamw").optimizer_kwargs()
+    opt = make_optimizer("adamw", params, kwargs)
     assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["weight_decay"] == 0.01
     assert isinstance(make_optimizer("sgd", params, {"lr": 0.05, "momentum": 0.9}), torch.optim.SGD)
     with pytest.raises(ValueError, match="'rmsprop'"):
@@ -343,7 +344,8 @@ def test_aggregate_and_tables_show_breakdown_memory_profiler_and_ratios():
         _job("t_cold", "cold", "torch_savvy", [_rank(20.0, 19.0), _rank(21.0, 19.5)]),
         _job("t_warm", "warm", "torch_savvy", [_rank(6.0, 5.0), _rank(6.5, 5.0)]),
         _job("o_cold", "cold", "ours_step_in_backward",
-             [_rank(8.0, 7.0, steady_peak_rss_mb=400.0, profile=prof), _rank(9.0, 7.5, steady_peak_rss_mb=410.0, profile=prof)]),
+             [_rank(8.0, 7.0, steady_peak_rss_mb=400.0, profile=prof),
+              _rank(9.0, 7.5, steady_peak_rss_mb=410.0, profile=prof)]),
         _job("o_warm", "warm", "ours_step_in_backward", [_rank(2.0, 1.0), _rank(3.0, 1.0)]),
     ]
     modes = {m: aggregate_mode(jobs, m) for m in ("torch_savvy", "ours_step_in_backward")}
@@ -354,10 +356,11 @@ def test_aggregate_and_tables_show_breakdown_memory_profiler_and_ratios():
     [row] = comparisons(modes)
     assert row["peer"] == "torch_savvy" and row["first_step_cold_vs_peer"] == pytest.approx(9.0 / 21.0)
     assert row["first_step_warm_vs_peer"] == pytest.approx(3.0 / 6.5) and row["step_ms_vs_best_torch"] == 1.0
+    assert row["warmup_compile_cold_vs_peer"] == pytest.approx(7.5 / 19.5)  # the slowest ranks' compile seconds
     data = {"description": "d", "purpose": "p", "modes": modes, "comparisons": [row],
             "loss_agreement": {"ok": True, "tolerance": 0.1, "reference": "torch_savvy", "reference_loss": 2.0,
                                "disagree": [], "unstable": []}}
     text = markdown_table({"workloads": {"w": data}}, "w")
     assert "| ours_step_in_backward | cold | 9.00 | 7.50 |" in text  # breakdown row: slowest rank of the cold job
-    assert "400/410" in text and "12.5/12.5" in text and "| 0.43 | 0.46 |" in text
+    assert "400/410" in text and "12.5/12.5" in text and "| 0.43 | 0.46 | 0.38 |" in text
     assert "| - / 70 | - / 3.0 |" in text  # no recorder in this job; the profiler's 70 % and 3.0 ms
