@@ -136,7 +136,9 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         overlap_in_main_job=preset != "full" and not args.no_overlap,
         profile_steps=args.profile_steps if args.profile_steps is not None else (1 if preset == "smoke" else 2),
         plot=not args.no_plot,
-        timeout_s=args.timeout or (300.0 if tiny else 1200.0),
+        # full: the compile workload's cold Inductor compiles (12 blocks, ~40 pieces, the in-backward
+        # variant at update 2) take many minutes on 2 cores
+        timeout_s=args.timeout or (300.0 if tiny else 1800.0),
         out_dir=out_dir.resolve(),
         markdown=markdown.resolve(),
         preset=preset,

@@ -76,7 +76,7 @@ def how_to_run() -> list[str]:
         "model, 2x64 tokens, 4 MiB buckets: the communication-heavy comparison) and `compile` (GPT d=256, 12 "
         "layers, 2x64 tokens, 1 MiB buckets: cold/warm first-step compile time; no 1-rank or overlap jobs).",
         "",
-        f"Full comparison (about 1.5-2 hours on 2 CPU cores): `{FULL_COMMAND}`. Quick look (comm workload, tiny "
+        f"Full comparison (about 2-4 hours on 2 CPU cores, an estimate: cold Inductor compiles of the compile workload dominate): `{FULL_COMMAND}`. Quick look (comm workload, tiny "
         f"model, 1 round, about 10 minutes): `{QUICK_COMMAND}`. `--optimizer sgd` reruns the comparison with "
         "SGD (momentum 0.9), `--workloads compile` only the compile-time table; `--no-plot` runs without "
         "matplotlib. Rebuild this file from a results.json without running anything: "

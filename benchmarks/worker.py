@@ -117,6 +117,9 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         peaks.stop_steady()
         cuda_peak = _cuda_peak_mb(device)
 
+    # report() reads the other ranks' compile summaries from the store that rank 0 hosts: every rank reads
+    # it before the all-reduce below, which no rank leaves before all have arrived
+    info = step.info()
     final = torch.tensor([losses[-1]], dtype=torch.float64, device=device)
     dist.all_reduce(final)
     timed = step_s[warmup:warmup + steps]
@@ -139,7 +142,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "steady_peak_rss_mb": peaks.steady_mb,
         "steady_peak_cuda_mb": cuda_peak,
         "compile": clock.summary(warmup),
-        "info": step.info(),
+        "info": info,
     }
     if profiler is not None:
         result["profile"] = _profile_result(profiler, spec, rank, pg_backend, result["info"])
@@ -148,6 +151,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     elif spec["record_overlap"]:
         result["overlap"] = {"recorded": False, "reason": "ddp='in_graph': the compiled backward all-reduces, DDP's "
                                                           "comm hooks see nothing (see the profiler columns)"}
+    dist.barrier()  # rank 0 hosts the store: it exits (os._exit) only once no rank can still need it
     return result
 
 
