@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.config import MODES, TINY_SHAPE, BenchConfig, Workload, full_workloads
-from benchmarks.report import aggregate, all_tables, benchmarks_md, plot_step_ms, write_json
+from benchmarks.config import (
+    COMPILE_WORKLOAD, MODES, OPTIMIZERS, TINY_SHAPE, WORKLOAD_NAMES, BenchConfig, Workload, full_workloads,
+)
+from benchmarks.deps import missing
 from benchmarks.runner import REPO_ROOT
-from benchmarks.suite import run_suite
 
 PRESETS = {
     # (rounds, warmup, steps); quick and smoke also shrink the model (TINY_SHAPE)
@@ -32,14 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true",
-                        help="tiny model, 1 round, one job per mode with the overlap recorder inside: "
-                             "under 5 minutes on 2 cores")
+                        help="tiny model, 1 round, one job per mode with the overlap measured inside it "
+                             "(about 10 minutes on 2 cores)")
     preset.add_argument("--smoke", action="store_true",
-                        help="tiny model, 2 steps, every mode, one job per mode, no timing claims (CI)")
+                        help="tiny model, 2 steps (+1 profiled), every mode, one job per mode, no timing claims (CI)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
     p.add_argument("--workloads", default=None,
-                   help="comma list from compute,comm (default both; --quick: comm only, to stay under 5 min)")
+                   help="comma list from compute,comm,compile (default all three; --quick: comm only; "
+                        "compile = GPT 12 blocks d=256, 1 MiB buckets, for cold/warm first-step times)")
     p.add_argument("--backend", default=None, help="inductor (default), aot_eager (smoke default) or eager")
+    p.add_argument("--optimizer", default=None, choices=sorted(OPTIMIZERS),
+                   help="adamw (default: AdamW lr 1e-3, weight decay 0.01) or sgd (smoke default: SGD lr 0.05, "
+                        "momentum 0.9, the sharper parameter gate); the same optimizer in every mode")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the optimizer's, above)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per job (first one compiles)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per job")
@@ -49,16 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--compute-batch", type=_batch, default=None, help="per-rank BATCHxSEQ (default 8x128)")
     p.add_argument("--comm-batch", type=_batch, default=None, help="per-rank BATCHxSEQ (default 2x64)")
-    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket cap (default: DDP's 25)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP bucket cap for EVERY workload (default: compute 25 = DDP's, comm 4, compile 1; "
+                        "--quick/--smoke: 1)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--timeout", type=float, default=None, help="seconds per job before its ranks are killed")
     p.add_argument("--no-cold-warm", action="store_true", help="one job per compiled mode per round")
     p.add_argument("--no-scaling", action="store_true", help="skip the 1-rank jobs")
-    p.add_argument("--no-overlap", action="store_true", help="skip the overlap-recorder jobs")
+    p.add_argument("--no-overlap", action="store_true", help="skip the overlap measurements (recorder, profiler)")
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="steps profiled for the profiler overlap and tensor peak (default 2; smoke 1; 0: none)")
+    p.add_argument("--no-plot", action="store_true",
+                   help="no chart or timeline PNGs (then matplotlib is not needed)")
     p.add_argument("--loss-rtol", type=float, default=1e-3)
     p.add_argument("--param-rtol", type=float, default=None,
-                   help="max distance of a mode's final parameters from eager's (default: 1e-5 for "
-                        "aot_eager/eager, 1e-3 for inductor; see BenchConfig.param_rtol)")
+                   help="max distance of a mode's final parameters from eager's (default: SGD 1e-5 for "
+                        "aot_eager/eager, 1e-3 for inductor; AdamW 1e-3 and 1e-2; see BenchConfig.param_rtol)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=None, help="default bench_out/<preset>")
     p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
@@ -83,11 +96,23 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         compute_batch=args.compute_batch or ((4, 64) if tiny else (8, 128)),
         comm_batch=args.comm_batch or ((1, 32) if tiny else (2, 64)),
     )
-    workloads = args.workloads or ("comm" if preset == "quick" else "compute,comm")
+    if preset == "smoke":
+        # smoke checks plumbing, not compile time: the compile workload shrinks to the tiny model too
+        all_workloads = all_workloads[:2] + (dataclasses.replace(COMPILE_WORKLOAD, **TINY_SHAPE),)
+    if args.bucket_cap_mb is not None or tiny:
+        # one cap for every workload: the one asked for, or 1 MiB for the tiny model (~3.7 MB, one default
+        # bucket; 1 MiB gives several). Not lower: DDPOptimizer asserts when the cap is under DDP's 1 MiB
+        # first bucket.
+        cap = args.bucket_cap_mb if args.bucket_cap_mb is not None else 1.0
+        all_workloads = tuple(dataclasses.replace(w, bucket_cap_mb=cap) for w in all_workloads)
+    workloads = args.workloads or ("comm" if preset == "quick" else ",".join(WORKLOAD_NAMES))
     wanted = [w.strip() for w in workloads.split(",") if w.strip()]
-    unknown = [w for w in wanted if w not in {wl.name for wl in all_workloads}]
-    if unknown:
-        raise ValueError(f"--workloads {workloads!r}: unknown {unknown}; use compute, comm or both")
+    unknown = [w for w in wanted if w not in WORKLOAD_NAMES]
+    if unknown or not wanted:
+        raise ValueError(f"--workloads {workloads!r}: unknown {unknown}; use a comma list from "
+                         f"{','.join(WORKLOAD_NAMES)}")
+    if args.profile_steps is not None and args.profile_steps < 0:
+        raise ValueError(f"--profile-steps {args.profile_steps}: pass 0 (no profiling) or more")
     out_dir = args.out_dir or (REPO_ROOT / "bench_out" / preset)
     markdown = args.markdown or (REPO_ROOT / "BENCHMARKS.md" if preset == "full" else out_dir / "BENCHMARKS.md")
     return BenchConfig(
@@ -98,19 +123,22 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         steps=args.steps or steps,
         backend=args.backend or ("aot_eager" if preset == "smoke" else "inductor"),
         world_size=args.world_size,
-        # the tiny model (~3.7 MB) fits in one default bucket: a 1 MiB cap gives the overlap recorder
-        # several buckets. Not lower: DDPOptimizer asserts when the cap is under DDP's 1 MiB first bucket.
-        bucket_cap_mb=args.bucket_cap_mb if args.bucket_cap_mb is not None else (1.0 if tiny else None),
+        optimizer=args.optimizer or ("sgd" if preset == "smoke" else "adamw"),
+        lr=args.lr,
         seed=args.seed,
         loss_rtol=args.loss_rtol,
         param_rtol=args.param_rtol,
-        # quick and smoke trade rigour for time: one (cold-cache) job per mode, recorder inside it, no
-        # 1-rank jobs. The full preset keeps every job kind.
+        # quick and smoke trade rigour for time: one (cold-cache) job per mode, overlap measured inside it,
+        # no 1-rank jobs. The full preset keeps every job kind.
         cold_warm=not args.no_cold_warm and preset == "full",
         scaling=not args.no_scaling and preset == "full",
         overlap=not args.no_overlap,
         overlap_in_main_job=preset != "full" and not args.no_overlap,
-        timeout_s=args.timeout or (300.0 if tiny else 1200.0),
+        profile_steps=args.profile_steps if args.profile_steps is not None else (1 if preset == "smoke" else 2),
+        plot=not args.no_plot,
+        # full: the compile workload's cold Inductor compiles (12 blocks, ~40 pieces, the in-backward
+        # variant at update 2) take many minutes on 2 cores
+        timeout_s=args.timeout or (300.0 if tiny else 1800.0),
         out_dir=out_dir.resolve(),
         markdown=markdown.resolve(),
         preset=preset,
@@ -118,47 +146,66 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     )
 
 
-def config_from_json(data: dict, *, markdown: Path | None) -> BenchConfig:
-    """The BenchConfig an earlier run recorded in its results.json."""
+def config_from_json(data: dict, *, markdown: Path | None, plot: bool = True) -> BenchConfig:
+    """The BenchConfig an earlier run recorded in its results.json (older runs: SGD, no profiler)."""
     raw = dict(data["config"])
+    raw.pop("optimizer_kwargs", None)  # derived from optimizer and lr
     raw["workloads"] = tuple(Workload(**w) for w in raw["workloads"])
     raw["modes"] = tuple(raw["modes"])
     raw["out_dir"] = Path(raw["out_dir"])
     raw["markdown"] = markdown or (Path(raw["markdown"]) if raw.get("markdown") else None)
+    raw["plot"] = plot and raw.get("plot", True)
+    if "optimizer" not in raw and raw.get("lr") == 0.05:
+        raw["lr"] = None  # runs before --optimizer recorded SGD's default lr; keep it the default
     return BenchConfig(**raw)
 
 
 def _publish(cfg: BenchConfig, jobs: list[dict]) -> None:
+    from benchmarks.report import aggregate, all_tables, benchmarks_md, plot_step_ms, write_json
+
     result = aggregate(cfg, jobs)
     json_path = write_json(result, cfg.out_dir / "results.json")
-    chart = plot_step_ms(result, cfg.out_dir / "step_ms.png")
+    chart = plot_step_ms(result, cfg.out_dir / "step_ms.png") if cfg.plot else None
     print()
     print(all_tables(result, timing_claims=cfg.preset != "smoke"))
-    print(f"\nJSON: {json_path}\nchart: {chart}")
+    print(f"\nJSON: {json_path}" + (f"\nchart: {chart}" if chart else ""))
     if cfg.markdown is not None:
         cfg.markdown.parent.mkdir(parents=True, exist_ok=True)
         cfg.markdown.write_text(benchmarks_md(result, chart=chart, json_path=json_path, md_path=cfg.markdown))
         print(f"report: {cfg.markdown}")
 
 
+def _missing_dependencies(plot: bool) -> bool:
+    problems = missing(plot=plot)
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    return bool(problems)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    # before anything slow: a missing package must not fail the run after minutes of measurements
+    if _missing_dependencies(plot=not args.no_plot):
+        return 2
     if args.render is not None:
         if not args.render.is_file():
             print(f"error: --render {args.render}: no such results.json; pass the file a run wrote", file=sys.stderr)
             return 2
         data = json.loads(args.render.read_text())
-        _publish(config_from_json(data, markdown=args.markdown), data["jobs"])
+        _publish(config_from_json(data, markdown=args.markdown, plot=not args.no_plot), data["jobs"])
         return 0
     try:
         cfg = config_from_args(args, command="python -m benchmarks " + shlex.join(argv))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from benchmarks.suite import run_suite
+
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     print(f"benchmark ({cfg.preset}): {len(cfg.workloads)} workload(s) x {len(cfg.modes)} modes x "
-          f"{cfg.rounds} round(s), backend {cfg.backend}; output in {cfg.out_dir}", flush=True)
+          f"{cfg.rounds} round(s), backend {cfg.backend}, {cfg.describe_optimizer()}; output in {cfg.out_dir}",
+          flush=True)
     jobs = run_suite(cfg, log=lambda line: print(line, flush=True))
     _publish(cfg, jobs)
     return 0

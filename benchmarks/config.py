@@ -1,4 +1,4 @@
-"""Benchmark configuration: workloads, modes, presets. Everything is validated on construction."""
+"""Benchmark configuration: workloads, modes, optimizers, presets. Everything is validated on construction."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,26 +10,50 @@ MODES: tuple[str, ...] = (
     "torch_ddpopt",
     "torch_nosplit",
     "torch_python_reducer",
+    "torch_savvy",
     "ours_compile",
+    "ours_in_graph",
     "ours_step",
+    "ours_step_in_graph",
+    "ours_step_in_backward",
 )
 """Every mode, in table order."""
 
 MODE_HELP: dict[str, str] = {
     "eager": "eager DDP + eager optimizer",
-    "torch_ddpopt": "torch.compile(ddp_model), PyTorch's DDPOptimizer (optimize_ddp=True)",
-    "torch_nosplit": "torch.compile(ddp_model), optimize_ddp=False (one graph, no overlap)",
-    "torch_python_reducer": "compiled autograd + optimize_ddp='python_reducer'",
-    "ours_compile": "compile_core.compile(ddp_model) + eager optimizer",
-    "ours_step": "compile_core.train_step (forward+backward+optimizer captured)",
+    "torch_ddpopt": "torch.compile(ddp_model), PyTorch's DDPOptimizer (optimize_ddp=True) + eager optimizer",
+    "torch_nosplit": "torch.compile(ddp_model), optimize_ddp=False (one graph, no overlap) + eager optimizer",
+    "torch_python_reducer": "compiled autograd + optimize_ddp='python_reducer' + eager optimizer",
+    "torch_savvy": "torch.compile(ddp_model) (DDPOptimizer) + torch.compile'd optimizer.step(): the strongest "
+                   "PyTorch-only setup",
+    "ours_compile": "compile_core.compile(ddp_model) (ddp='split') + eager optimizer",
+    "ours_in_graph": "compile_core.compile(ddp_model, ddp='in_graph') + eager optimizer",
+    "ours_step": "compile_core.train_step (ddp='split'; forward+backward+optimizer captured)",
+    "ours_step_in_graph": "compile_core.train_step(ddp='in_graph')",
+    "ours_step_in_backward": "compile_core.train_step(ddp='in_graph', optimizer_in_backward=True)",
 }
 
+IN_GRAPH_MODES = frozenset({"ours_in_graph", "ours_step_in_graph", "ours_step_in_backward"})
+"""Modes whose compiled backward all-reduces itself: DDP's comm hooks (the overlap recorder) see nothing."""
+
 BACKENDS = ("inductor", "aot_eager", "eager")
+
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    # SGD keeps the cross-mode parameter gate sharp: its update is linear in the gradient, so a wrong
+    # all-reduce scale shows up. AdamW is what the issue-11/12 comparisons are about (per-parameter state,
+    # the optimizer-in-backward case); its defaults are torch's (betas 0.9/0.999, eps 1e-8, wd 0.01).
+    "sgd": {"lr": 0.05, "momentum": 0.9},
+    "adamw": {"lr": 1e-3, "weight_decay": 0.01},
+}
+"""Optimizer name -> its keyword arguments in every mode (lr is the default; BenchConfig.lr overrides it)."""
+
+OPTIMIZER_CLASSES = {"sgd": "SGD", "adamw": "AdamW"}
+"""Optimizer name -> its torch.optim class name."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
-    """One model shape and per-rank batch."""
+    """One model shape, per-rank batch and DDP bucket cap."""
 
     name: str
     """Short label used in tables and file names (letters, digits, '_' and '-')."""
@@ -45,19 +69,31 @@ class Workload:
     """Sequences per rank per step."""
     seq_len: int = 128
     """Tokens per sequence."""
+    bucket_cap_mb: float | None = None
+    """DDP bucket cap in MiB for this workload (None: BenchConfig.bucket_cap_mb)."""
+    scaling: bool = True
+    """Run the 1-rank reference job for scaling efficiency (when the config asks for scaling)."""
+    overlap: bool = True
+    """Run the extra overlap job (recorder + profiler) for this workload (when the config asks for it)."""
+    purpose: str = ""
+    """One line on what the workload is for, shown in the report."""
 
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "_-" for c in self.name):
             raise ValueError(f"Workload.name={self.name!r}: use letters, digits, '_' or '-' (it names files)")
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "batch", "seq_len"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Workload({self.name}).{field}={value!r}: must be a positive int")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"Workload({self.name}): d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 "pick --heads that divides --d-model"
             )
+        cap = self.bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise ValueError(f"Workload({self.name}).bucket_cap_mb={self.bucket_cap_mb!r}: pass a positive MiB "
+                             "value, or None for the config's cap")
 
     def gpt_kwargs(self) -> dict[str, int]:
         return {
@@ -68,10 +104,16 @@ class Workload:
             "max_seq_len": self.seq_len,
         }
 
-    def describe(self) -> str:
+    def cap_mb(self, default: float | None) -> float | None:
+        """The DDP bucket cap this workload runs with (None: DDP's own default of 25 MiB)."""
+        return self.bucket_cap_mb if self.bucket_cap_mb is not None else default
+
+    def describe(self, default_cap_mb: float | None = None) -> str:
+        cap = self.cap_mb(default_cap_mb)
         return (
             f"GPT d={self.d_model}, {self.n_layers} layers, {self.n_heads} heads, vocab {self.vocab_size}; "
-            f"batch {self.batch}x{self.seq_len} tokens per rank"
+            f"batch {self.batch}x{self.seq_len} tokens per rank; bucket cap "
+            f"{'25 MiB (DDP default)' if cap is None else f'{cap:g} MiB'}"
         )
 
 
@@ -94,9 +136,11 @@ class BenchConfig:
     world_size: int = 2
     """Ranks per job."""
     bucket_cap_mb: float | None = None
-    """DDP bucket cap in MiB for every mode (None: DDP's default of 25)."""
-    lr: float = 0.05
-    """SGD learning rate (momentum 0.9); SGD keeps the cross-mode loss comparison numerically tame."""
+    """DDP bucket cap in MiB for workloads without their own (None: DDP's default of 25)."""
+    optimizer: str = "sgd"
+    """Optimizer of every mode, from `OPTIMIZERS`: sgd (momentum 0.9) or adamw."""
+    lr: float | None = None
+    """Learning rate (None: the optimizer's default in `OPTIMIZERS`: sgd 0.05, adamw 1e-3). Constant: no scheduler."""
     seed: int = 0
     """Seed for the model init and the synthetic token batches."""
     cold_warm: bool = True
@@ -104,9 +148,11 @@ class BenchConfig:
     scaling: bool = True
     """Also run a 1-rank job per mode per round (same per-rank batch) for scaling efficiency."""
     overlap: bool = True
-    """After the last round, run one extra 2-rank job per mode with the overlap recorder attached."""
+    """Measure overlap: a separate job per mode (recorder + profiler), or inside the main job (see below)."""
     overlap_in_main_job: bool = False
-    """Attach the recorder in the measured job itself (smoke runs: fewer jobs, no timing claims)."""
+    """Measure overlap in the measured job itself (quick/smoke runs: fewer jobs, profiled steps are extra)."""
+    profile_steps: int = 2
+    """Steps profiled with torch.profiler for the profiler overlap and the step's tensor peak (0: none)."""
     timeout_s: float = 900.0
     """Wall-clock limit of one job; on expiry every rank is killed and the mode is reported as failed."""
     loss_rtol: float = 1e-3
@@ -116,9 +162,15 @@ class BenchConfig:
     param_rtol: float | None = None
     """How far a mode's final parameters may end from eager's (the gate; losses agree far too easily):
     `benchmarks.checksum.checksum_distance` of the rank-0 fingerprints, relative to eager's update.
-    None picks by backend: 1e-5 for aot_eager/eager, which run eager's kernels (seen: ~1e-7), and 1e-3
-    for inductor, whose fused kernels round differently. A mode that skips the all-reduce ends ~0.1-1
-    away (each rank follows its own gradient), a mode that doubles the gradient ~1: far outside both."""
+    None picks by backend and optimizer (`param_tolerance`). SGD: 1e-5 for aot_eager/eager, which run
+    eager's kernels (seen: 0 to 1e-7), 1e-3 for inductor, whose fused kernels round differently. AdamW
+    divides every gradient element by its own running scale, so rounding in near-zero gradients is
+    amplified up to lr/eps per unit (seen 1e-5..5e-5 on aot_eager after 3 steps): 1e-3 and 1e-2. A mode
+    that skips the all-reduce ends ~0.5-1 away with either optimizer (each rank follows its own gradient);
+    a doubled gradient ~1 with SGD, but AdamW is blind to a gradient's scale (~3e-4), which is why the
+    smoke run uses SGD."""
+    plot: bool = True
+    """Draw the step-time chart and overlap timelines (needs matplotlib; checked before any job runs)."""
     out_dir: Path = Path("bench_out")
     """Where JSON, PNGs and per-job logs go."""
     markdown: Path | None = None
@@ -137,14 +189,22 @@ class BenchConfig:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             raise ValueError(f"BenchConfig.modes={list(self.modes)!r}: choose from {list(MODES)}")
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"BenchConfig.modes={list(self.modes)!r} names a mode twice; list each mode once")
         if self.backend not in BACKENDS:
             raise ValueError(f"BenchConfig.backend={self.backend!r}: choose from {list(BACKENDS)}")
-        for field, minimum in (("rounds", 1), ("warmup", 1), ("steps", 1), ("world_size", 1)):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"BenchConfig.optimizer={self.optimizer!r}: choose from {list(OPTIMIZERS)} (--optimizer)")
+        for field, minimum in (("rounds", 1), ("warmup", 1), ("steps", 1), ("world_size", 1), ("profile_steps", 0)):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < minimum:
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"BenchConfig.{field}={value!r}: must be an int >= {minimum}")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"BenchConfig.bucket_cap_mb={self.bucket_cap_mb!r}: pass a positive MiB value or omit it")
+        if self.lr is not None and not self.lr > 0:
+            defaults = ", ".join(f"{name} {kwargs['lr']:g}" for name, kwargs in OPTIMIZERS.items())
+            raise ValueError(f"BenchConfig.lr={self.lr!r}: pass a positive learning rate, or None for the "
+                             f"optimizer's default ({defaults})")
         if not self.timeout_s > 0:
             raise ValueError(f"BenchConfig.timeout_s={self.timeout_s!r}: pass a positive number of seconds")
         if self.param_rtol is not None and not self.param_rtol > 0:
@@ -158,26 +218,55 @@ class BenchConfig:
         """`param_rtol`, or the backend's default (see its docstring)."""
         if self.param_rtol is not None:
             return self.param_rtol
-        return 1e-3 if self.backend == "inductor" else 1e-5
+        exact_kernels = self.backend != "inductor"
+        if self.optimizer == "adamw":
+            return 1e-3 if exact_kernels else 1e-2
+        return 1e-5 if exact_kernels else 1e-3
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the optimizer every mode builds (the lr override applied)."""
+        kwargs = dict(OPTIMIZERS[self.optimizer])
+        if self.lr is not None:
+            kwargs["lr"] = self.lr
+        return kwargs
+
+    def describe_optimizer(self) -> str:
+        args = ", ".join(f"{k}={v:g}" for k, v in self.optimizer_kwargs().items())
+        return f"{OPTIMIZER_CLASSES[self.optimizer]}({args})"
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["out_dir"] = str(self.out_dir)
         out["markdown"] = None if self.markdown is None else str(self.markdown)
+        out["optimizer_kwargs"] = self.optimizer_kwargs()
         return out
 
 
 def full_workloads(
     *, d_model: int = 384, n_layers: int = 6, n_heads: int = 6, vocab_size: int = 4096,
     compute_batch: tuple[int, int] = (8, 128), comm_batch: tuple[int, int] = (2, 64),
+    comm_cap_mb: float | None = 4.0,
 ) -> tuple[Workload, ...]:
-    """The two standard workloads: compute-heavy and communication-heavy batch on the same model."""
+    """The standard workloads: compute- and communication-heavy batches on one model, plus `compile`."""
     shape = dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, vocab_size=vocab_size)
     return (
-        Workload(name="compute", batch=compute_batch[0], seq_len=compute_batch[1], **shape),
-        Workload(name="comm", batch=comm_batch[0], seq_len=comm_batch[1], **shape),
+        Workload(name="compute", batch=compute_batch[0], seq_len=compute_batch[1], **shape,
+                 purpose="compute-heavy step: large per-rank batch, DDP's default buckets"),
+        # the issue-11/12 comm-heavy comparison: small batch, 4 MiB buckets (~14 buckets on this model)
+        Workload(name="comm", batch=comm_batch[0], seq_len=comm_batch[1], bucket_cap_mb=comm_cap_mb, **shape,
+                 purpose="communication-heavy step: small per-rank batch, small buckets"),
+        COMPILE_WORKLOAD,
     )
 
 
+COMPILE_WORKLOAD = Workload(
+    name="compile", d_model=256, n_layers=12, n_heads=4, vocab_size=4096, batch=2, seq_len=64,
+    bucket_cap_mb=1.0, scaling=False, overlap=False,
+    purpose="compile time: 12 blocks at 1 MiB buckets (many graph pieces); read the cold/warm first step",
+)
+"""The issue-10 shape: first-step (compile) wall time, cold and warm; no 1-rank or overlap jobs."""
+
+WORKLOAD_NAMES = ("compute", "comm", "compile")
+
 TINY_SHAPE = dict(d_model=128, n_layers=2, n_heads=4, vocab_size=2048)
-"""Model used by --quick and --smoke."""
+"""Model used by --quick and --smoke for compute/comm (smoke shrinks `compile` to it too)."""

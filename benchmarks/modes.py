@@ -38,11 +38,19 @@ class ModeContext:
     ddp: DDP
     """The DDP-wrapped model (already constructed with the mode's DDP settings)."""
     optimizer: torch.optim.Optimizer
-    """SGD over the model's parameters."""
+    """The run's optimizer (SGD or AdamW, see `make_optimizer`) over the model's parameters."""
     backend: str
     """Compiler backend name."""
     mark_backward: Callable[[], None]
     """Called right before loss.backward() (the overlap recorder's backward-start mark; a no-op otherwise)."""
+
+
+def make_optimizer(name: str, params, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer every mode of a run uses (names and arguments: benchmarks.config.OPTIMIZERS)."""
+    classes = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+    if name not in classes:
+        raise ValueError(f"optimizer {name!r}: choose from {sorted(classes)}")
+    return classes[name](params, **kwargs)
 
 
 def configure_dynamo(mode: str) -> None:
@@ -118,6 +126,34 @@ def build_torch_nosplit(ctx: ModeContext) -> Step:
     return Step(run=step.run, info=lambda: {"pieces": 1})
 
 
+def build_torch_savvy(ctx: ModeContext) -> Step:
+    """What a PyTorch user who read the tutorials does: torch.compile the DDP model (DDPOptimizer splits
+    it at bucket boundaries) and torch.compile a function that calls optimizer.step() (the form of
+    PyTorch's "Compiling the optimizer with torch.compile" recipe), same backend for both. The lr stays
+    a constant Python float: the benchmark has no scheduler, so it never causes a recompile."""
+    counter = _PieceCounter().install()
+    compiled = torch.compile(ctx.ddp, backend=ctx.backend)
+    optimizer = ctx.optimizer
+
+    @torch.compile(backend=ctx.backend)
+    def optimizer_step() -> None:
+        optimizer.step()
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(compiled(x), y)
+        ctx.mark_backward()
+        loss.backward()
+        optimizer_step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return Step(
+        run=run,
+        info=lambda: {"pieces_per_graph": counter.pieces, "pieces": sum(counter.pieces) or None,
+                      "ddpopt_cap_bytes": counter.cap_bytes, "optimizer_compiled": "torch.compile(optimizer.step)"},
+    )
+
+
 def build_torch_python_reducer(ctx: ModeContext) -> Step:
     ddp = ctx.ddp
 
@@ -144,6 +180,17 @@ def _report_info(obj: Any) -> dict[str, Any]:
         return {"note": "no .report() on the compiled object"}
     data = report().to_dict()
     graphs = data.get("graphs", [])
+    extra: dict[str, Any] = {}
+    in_graph = [g for g in graphs if g.get("variant")]
+    if in_graph:
+        # the all-reduces of the variant that ran last, in issue (backward) order: they label the profiler's
+        # timeline (benchmarks/profile_overlap.py)
+        last = [g for g in in_graph if g["variant"] == in_graph[-1]["variant"]]
+        extra["in_graph_buckets"] = [{"params": list(b["params"]), "bytes": b["bytes"]}
+                                     for g in reversed(last) for b in g.get("buckets", [])]
+    if "optimizer_in_backward" in data:  # a train_step report
+        extra["optimizer_in_backward"] = data["optimizer_in_backward"]
+        extra["optimizer_compiled"] = (data.get("optimizer") or {}).get("compiled")
     # graphs run forward in list order, so their backward runs in reverse: the planned buckets of the
     # last graph come first in DDP's (backward) order.
     planned = [list(b["params"]) for g in reversed(graphs) for b in g.get("buckets", [])]
@@ -155,23 +202,48 @@ def _report_info(obj: Any) -> dict[str, Any]:
         "recompiles": len(data.get("recompiles", [])),
         "fallbacks": data.get("fallbacks", []),
         "compile_seconds": data.get("compile_seconds"),
+        "in_graph_variants": [g["variant"] for g in graphs if g.get("variant")],
         "report_text": str(report()),
+        **extra,
     }
 
 
-def build_ours_compile(ctx: ModeContext) -> Step:
+def _ours_compile(ctx: ModeContext, ddp_mode: str) -> Step:
     import compile_core
 
-    compiled = compile_core.compile(ctx.ddp, backend=ctx.backend)
+    compiled = compile_core.compile(ctx.ddp, backend=ctx.backend, ddp=ddp_mode)
     return Step(run=_eager_optimizer_step(ctx, compiled), info=lambda: _report_info(compiled))
 
 
-def build_ours_step(ctx: ModeContext) -> Step:
+def build_ours_compile(ctx: ModeContext) -> Step:
+    return _ours_compile(ctx, "split")
+
+
+def build_ours_in_graph(ctx: ModeContext) -> Step:
+    # DDP's reducer idles: the compiled backward all-reduces (comm hooks, the recorder, see nothing)
+    return _ours_compile(ctx, "in_graph")
+
+
+def _ours_step(ctx: ModeContext, **options: Any) -> Step:
     import compile_core
 
-    step = compile_core.train_step(ctx.ddp, ctx.optimizer, lm_loss, backend=ctx.backend)
+    step = compile_core.train_step(ctx.ddp, ctx.optimizer, lm_loss, backend=ctx.backend, **options)
     # the backward runs inside the step, so the recorder falls back to the first bucket's ready time
     return Step(run=lambda x, y: step(x, y).detach(), info=lambda: _report_info(step))
+
+
+def build_ours_step(ctx: ModeContext) -> Step:
+    return _ours_step(ctx, ddp="split")
+
+
+def build_ours_step_in_graph(ctx: ModeContext) -> Step:
+    return _ours_step(ctx, ddp="in_graph")
+
+
+def build_ours_step_in_backward(ctx: ModeContext) -> Step:
+    # update 1 runs eagerly (it creates the optimizer state), updates 2.. run per bucket inside the
+    # compiled backward; report()["optimizer_in_backward"] (in the job's info) says whether it did
+    return _ours_step(ctx, ddp="in_graph", optimizer_in_backward=True)
 
 
 BUILDERS: dict[str, Callable[[ModeContext], Step]] = {
@@ -179,6 +251,10 @@ BUILDERS: dict[str, Callable[[ModeContext], Step]] = {
     "torch_ddpopt": build_torch_ddpopt,
     "torch_nosplit": build_torch_nosplit,
     "torch_python_reducer": build_torch_python_reducer,
+    "torch_savvy": build_torch_savvy,
     "ours_compile": build_ours_compile,
+    "ours_in_graph": build_ours_in_graph,
     "ours_step": build_ours_step,
+    "ours_step_in_graph": build_ours_step_in_graph,
+    "ours_step_in_backward": build_ours_step_in_backward,
 }

@@ -15,6 +15,8 @@ COMPILED_KINDS = ("cold", "warm")
 
 def _worker_spec(cfg: BenchConfig, w: Workload, mode: str, *, steps: int, record_overlap: bool,
                  timeline_png: Path | None) -> dict[str, Any]:
+    # overlap is measured twice where it can be: the DDP comm-hook recorder (DDP modes) and the profiler
+    # (every mode, on extra steps after the timed ones: benchmarks/profile_overlap.py)
     return {
         "mode": mode,
         "workload": w.name,
@@ -24,12 +26,15 @@ def _worker_spec(cfg: BenchConfig, w: Workload, mode: str, *, steps: int, record
         "warmup": cfg.warmup,
         "steps": steps,
         "backend": cfg.backend,
-        "bucket_cap_mb": cfg.bucket_cap_mb,
-        "lr": cfg.lr,
+        "bucket_cap_mb": w.cap_mb(cfg.bucket_cap_mb),
+        "optimizer": cfg.optimizer,
+        "optimizer_kwargs": cfg.optimizer_kwargs(),
         "seed": cfg.seed,
         "timeout_s": cfg.timeout_s,
         "record_overlap": record_overlap,
+        "profile_steps": cfg.profile_steps if record_overlap else 0,
         "timeline_png": None if timeline_png is None else str(timeline_png),
+        "plot": cfg.plot,
     }
 
 
@@ -76,10 +81,10 @@ def _mode_jobs(cfg: BenchConfig, w: Workload, mode: str, round_no: int, caches: 
         kinds = ["warm"]  # eager compiles nothing: one 2-rank job is all there is to time
     else:
         kinds = list(COMPILED_KINDS) if cfg.cold_warm else ["cold"]  # the cache dir is fresh: cold
-    if cfg.scaling and cfg.world_size > 1 and cfg.preset != "smoke" and round_no == 1:
+    if cfg.scaling and w.scaling and cfg.world_size > 1 and cfg.preset != "smoke" and round_no == 1:
         kinds.append("single")  # the 1-rank reference: once, in round 1
     for kind in kinds:
-        in_job_recorder = cfg.overlap_in_main_job and kind != "single"
+        in_job_recorder = cfg.overlap and cfg.overlap_in_main_job and w.overlap and kind != "single"
         yield JobSpec(
             job_id=f"r{round_no}_{w.name}_{mode}_{kind}",
             kind=kind,
@@ -96,10 +101,11 @@ def _mode_jobs(cfg: BenchConfig, w: Workload, mode: str, round_no: int, caches: 
 
 
 def plan_overlap(cfg: BenchConfig, caches: CacheDirs) -> Iterator[JobSpec]:
-    """One extra job per mode with the recorder attached (warm cache; its step times are not used)."""
+    """One extra job per mode with the recorder and the profiler attached (warm cache; its step times are not
+    used)."""
     if not cfg.overlap or cfg.overlap_in_main_job or cfg.world_size < 2:
         return
-    for w in cfg.workloads:
+    for w in (w for w in cfg.workloads if w.overlap):
         for mode in cfg.modes:
             yield JobSpec(
                 job_id=f"overlap_{w.name}_{mode}",

@@ -5,20 +5,16 @@ the other ranks instead of letting them wait in a collective.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
-import resource
 import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
 def _init_process_group(rank: int, world_size: int, timeout_s: float) -> tuple[Any, str]:
@@ -44,13 +40,23 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _cuda_peak_mb(device) -> float | None:
+    """GPU memory the timed steps allocated at most (on GPU ranks the RSS peak misses the device memory)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
 def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from benchmarks import memory
+    from benchmarks.breakdown import StepClock
     from benchmarks.checksum import param_checksum
-    from benchmarks.modes import BUILDERS, ModeContext, configure_dynamo
+    from benchmarks.config import IN_GRAPH_MODES
+    from benchmarks.modes import BUILDERS, ModeContext, configure_dynamo, make_optimizer
     from examples.gpt import GPT, GPTConfig, synthetic_batch
 
     torch.set_num_threads(1)  # one core per rank: 2 ranks share the 2 cores of the dev machine
@@ -63,36 +69,60 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     model = GPT(cfg).to(device)
     ddp_kwargs = {} if spec["bucket_cap_mb"] is None else {"bucket_cap_mb": spec["bucket_cap_mb"]}
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9)
+    optimizer = make_optimizer(spec["optimizer"], model.parameters(), spec["optimizer_kwargs"])
 
     # the fingerprint of the final parameters is taken against these (see benchmarks/checksum.py)
     initial = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     recorder = None
-    if spec["record_overlap"]:
+    if spec["record_overlap"] and mode not in IN_GRAPH_MODES:  # in-graph modes bypass DDP's comm hooks
         from ddp.overlap import OverlapRecorder
 
         recorder = OverlapRecorder.attach(ddp)
     mark = recorder.mark_backward_start if recorder is not None else (lambda: None)
     step = BUILDERS[mode](ModeContext(ddp=ddp, optimizer=optimizer, backend=spec["backend"], mark_backward=mark))
 
+    warmup, steps, profiled = spec["warmup"], spec["steps"], spec.get("profile_steps", 0)
     batches = [
         tuple(t.to(device) for t in synthetic_batch(
             cfg, spec["batch"], spec["seq_len"], step=i, rank=rank, seed=spec["seed"]))
-        for i in range(spec["warmup"] + spec["steps"])
+        for i in range(warmup + steps + profiled)
     ]
+    clock = StepClock()
+    peaks = memory.PeakTracker()
+    cuda_peak = None
+    profiler = None
     step_s: list[float] = []
     losses: list[float] = []
-    for i, (x, y) in enumerate(batches):
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = step.run(x, y)
-        _sync(device)
-        step_s.append(time.perf_counter() - t0)
-        losses.append(float(loss))  # outside the timed region
+    with contextlib.ExitStack() as stack:
+        for i, (x, y) in enumerate(batches):
+            if i == warmup:
+                peaks.start_steady()  # the steady-state peak covers the timed steps only
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+            if i == warmup + steps:
+                peaks.stop_steady()
+                cuda_peak = _cuda_peak_mb(device)
+                profiler = stack.enter_context(_profiler())  # extra steps after the timed ones: never timed
+            mark_step = profiler.mark_step() if profiler is not None else contextlib.nullcontext()
+            clock.start()
+            _sync(device)
+            t0 = time.perf_counter()
+            with mark_step:
+                loss = step.run(x, y)
+            _sync(device)
+            step_s.append(time.perf_counter() - t0)
+            clock.stop(step_s[-1])
+            losses.append(float(loss))  # outside the timed region
+    if profiled == 0:
+        peaks.stop_steady()
+        cuda_peak = _cuda_peak_mb(device)
 
+    # report() reads the other ranks' compile summaries from the store that rank 0 hosts: every rank reads
+    # it before the all-reduce below, which no rank leaves before all have arrived
+    info = step.info()
     final = torch.tensor([losses[-1]], dtype=torch.float64, device=device)
     dist.all_reduce(final)
-    timed = step_s[spec["warmup"]:]
+    timed = step_s[warmup:warmup + steps]
     result: dict[str, Any] = {
         "ok": True,
         "mode": mode,
@@ -101,18 +131,53 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "pg_backend": pg_backend,
         "device": str(device),
         "first_step_s": step_s[0],
-        "warmup_s": sum(step_s[: spec["warmup"]]),
+        "warmup_s": sum(step_s[:warmup]),
         "step_ms": [1e3 * s for s in timed],
         "median_step_ms": 1e3 * statistics.median(timed),
+        "profiled_step_ms": [1e3 * s for s in step_s[warmup + steps:]],
         "losses": losses,
         "final_loss": float(final.item()) / world_size,
         "param_checksum": param_checksum(dict(model.named_parameters()), initial),
-        "peak_rss_mb": _peak_rss_mb(),
-        "info": step.info(),
+        "peak_rss_mb": peaks.process_peak_mb(),
+        "steady_peak_rss_mb": peaks.steady_mb,
+        "steady_peak_cuda_mb": cuda_peak,
+        "compile": clock.summary(warmup),
+        "info": info,
     }
+    if profiler is not None:
+        result["profile"] = _profile_result(profiler, spec, rank, pg_backend, result["info"])
     if recorder is not None:
         result["overlap"] = _overlap_result(recorder, spec, rank, result["info"])
+    elif spec["record_overlap"]:
+        result["overlap"] = {"recorded": False, "reason": "ddp='in_graph': the compiled backward all-reduces, DDP's "
+                                                          "comm hooks see nothing (see the profiler columns)"}
+    dist.barrier()  # rank 0 hosts the store: it exits (os._exit) only once no rank can still need it
     return result
+
+
+def _profiler():
+    from benchmarks.profile_overlap import StepProfiler
+
+    return StepProfiler()
+
+
+def _profile_result(profiler, spec: dict[str, Any], rank: int, pg_backend: str, info: dict[str, Any]) -> dict[str, Any]:
+    from benchmarks.config import IN_GRAPH_MODES
+    from benchmarks.profile_overlap import label_buckets, summarize
+
+    out = summarize(profiler.events())
+    if pg_backend != "gloo" and out.get("measured"):
+        # nccl's host-side events mark enqueueing, not completion (benchmarks/profile_overlap.py, Limitation)
+        out = {"measured": False, "reason": f"{pg_backend}: profiler overlap is measured on gloo only",
+               "tensor_peak_mb": out.get("tensor_peak_mb")}
+    if out.get("measured"):
+        out["last_step"] = label_buckets(out["last_step"], info.get("in_graph_buckets"))
+        if rank == 0 and spec.get("timeline_png") and spec.get("plot", True) and spec["mode"] in IN_GRAPH_MODES:
+            from ddp.overlap.plot import plot_timeline
+
+            title = f"{spec['mode']} / {spec['workload']} (from the profiler)"
+            out["timeline_png"] = str(plot_timeline(out["last_step"], spec["timeline_png"], title=title))
+    return out
 
 
 def _overlap_result(recorder, spec: dict[str, Any], rank: int, info: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +194,7 @@ def _overlap_result(recorder, spec: dict[str, Any], rank: int, info: dict[str, A
         alignment = check_alignment(planned, out["observed_buckets"])
         out["alignment"] = alignment.to_dict()
         out["alignment_text"] = str(alignment)
-    if rank == 0 and spec.get("timeline_png"):
+    if rank == 0 and spec.get("timeline_png") and spec.get("plot", True):
         title = f"{spec['mode']} / {spec['workload']}"
         out["timeline_png"] = str(recorder.plot_timeline(spec["timeline_png"], title=title))
     return out
@@ -147,6 +212,7 @@ def main(argv: list[str]) -> int:
         result = run(spec, rank, world_size)
         code = 0
     except BaseException as err:  # every failure becomes a result that names the mode and the rank
+        from benchmarks.memory import process_peak_rss_mb
         from benchmarks.modes import ModeUnavailable
 
         unavailable = isinstance(err, ModeUnavailable)
@@ -157,7 +223,7 @@ def main(argv: list[str]) -> int:
             "rank": rank,
             "error": f"{type(err).__name__}: {err}".strip()[:2000],
             "traceback": traceback.format_exc()[-8000:],
-            "peak_rss_mb": _peak_rss_mb(),
+            "peak_rss_mb": process_peak_rss_mb(),
         }
         code = 3 if unavailable else 1
     out_path.write_text(json.dumps(result, indent=1, default=str))

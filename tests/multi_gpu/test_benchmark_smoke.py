@@ -1,10 +1,14 @@
-"""CI smoke of `python -m benchmarks --smoke`: every mode runs (or says why not) and every mode ends with
-eager's parameters.
+"""CI smoke of `python -m benchmarks --smoke`: every mode runs (or says why not), every mode ends with
+eager's parameters, and every metric the report shows is there (first-step breakdown, steady-state and
+tensor peaks, overlap from the comm hook and from the profiler).
 
 No timing is asserted: the smoke preset makes no timing claims. Losses agree too easily to be the gate
-(after 2 steps a mode without any all-reduce ends within 1e-3 of eager's loss); the gate is each
+(after 3 steps a mode without any all-reduce ends within 1e-3 of eager's loss); the gate is each
 mode's parameter fingerprint (benchmarks/checksum.py) against eager's, at a tolerance the test shows a
-run without all-reduce (or with a doubled gradient) cannot meet, by replaying those runs itself.
+run without all-reduce (or with a doubled gradient) cannot meet, by replaying those runs itself. The
+smoke runs SGD (its default): AdamW normalises the gradient's scale away, so a doubled gradient would
+pass an AdamW gate (see BenchConfig.param_rtol); the AdamW plumbing is unit-tested in
+tests/single/test_benchmark_parts.py.
 """
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ import pytest
 from tests.procs import kill_marked
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODES = ("eager", "torch_ddpopt", "torch_nosplit", "torch_python_reducer", "ours_compile", "ours_step")
-JOB_TIMEOUT_S = 120  # per benchmark job (passed as --timeout); a normal smoke job takes ~10 s
-RUN_TIMEOUT_S = 360  # the whole benchmark: one hung job (killed at JOB_TIMEOUT_S) plus every other job
+JOB_TIMEOUT_S = 120  # per benchmark job (passed as --timeout); a normal smoke job takes 5-25 s
+RUN_TIMEOUT_S = 540  # the whole benchmark (10 jobs): one hung job (killed at JOB_TIMEOUT_S) plus every other job
+DDP_HOOK_MODES = ("eager", "torch_ddpopt", "torch_nosplit", "torch_savvy", "ours_compile", "ours_step")
+"""Modes whose all-reduce goes through DDP's reducer: the comm-hook recorder sees their buckets."""
 
 
 def _replay(result: dict, *, ranks: tuple[int, ...], grad_scale: float = 1.0) -> dict:
@@ -34,6 +39,7 @@ def _replay(result: dict, *, ranks: tuple[int, ...], grad_scale: float = 1.0) ->
 
     from benchmarks.checksum import param_checksum
     from benchmarks.config import Workload
+    from benchmarks.modes import make_optimizer
     from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 
     cfg = result["config"]
@@ -43,8 +49,8 @@ def _replay(result: dict, *, ranks: tuple[int, ...], grad_scale: float = 1.0) ->
     model = GPT(gpt)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = list(model.parameters())
-    opt = torch.optim.SGD(params, lr=cfg["lr"], momentum=0.9)
-    for step in range(cfg["warmup"] + cfg["steps"]):
+    opt = make_optimizer(cfg["optimizer"], params, cfg["optimizer_kwargs"])
+    for step in range(cfg["warmup"] + cfg["steps"] + cfg["profile_steps"]):  # profiled steps train too
         grads = []
         for rank in ranks:
             x, y = synthetic_batch(gpt, work.batch, work.seq_len, step=step, rank=rank, seed=cfg["seed"])
@@ -60,6 +66,7 @@ def _replay(result: dict, *, ranks: tuple[int, ...], grad_scale: float = 1.0) ->
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
     from benchmarks.checksum import checksum_distance
+    from benchmarks.config import IN_GRAPH_MODES, MODES
 
     # A marker in the environment of the benchmark and of every rank it starts: the runner starts ranks
     # in sessions of their own, so on a timeout killing the benchmark's process group is not enough.
@@ -82,7 +89,7 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
 
     out_dir = tmp_path / "out"
     result = json.loads((out_dir / "results.json").read_text())
-    assert result["config"]["backend"] == "aot_eager"
+    assert result["config"]["backend"] == "aot_eager" and result["config"]["optimizer"] == "sgd"
     assert result["config"]["timeout_s"] == JOB_TIMEOUT_S < RUN_TIMEOUT_S
     workload = result["workloads"]["comm"]
     modes = workload["modes"]
@@ -113,21 +120,52 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
     assert workload["loss_agreement"]["ok"], workload["loss_agreement"]
     for mode, loss in finished.items():
         assert loss == pytest.approx(finished["eager"], rel=1e-3), mode
-    # every 2-step job ran exactly 2 steps
+    # every job ran 1 warm-up, 1 timed and 1 profiled step
     for job in result["jobs"]:
         for rank in job["ranks"]:
             if rank.get("ok"):
-                assert len(rank["losses"]) == 2, job["job_id"]
+                assert len(rank["losses"]) == 3 and len(rank["step_ms"]) == 1, job["job_id"]
+                assert len(rank["profiled_step_ms"]) == 1, job["job_id"]
+
+    _check_metrics(modes)
 
     assert (out_dir / "step_ms.png").read_bytes()[:4] == b"\x89PNG"
     report = (out_dir / "BENCHMARKS.md").read_text()
     assert "python -m benchmarks --smoke" in report and "torch " in report
     assert "Parameter agreement: OK" in report
+    assert "First step of comm, where the time goes" in report and "Ours vs PyTorch on comm" in report
+    for mode in IN_GRAPH_MODES:  # their overlap timeline comes from the profiler
+        assert (out_dir / f"timeline_comm_{mode}.png").read_bytes()[:4] == b"\x89PNG", mode
     assert "| mode |" in out  # the markdown table went to stdout
     assert not list(tmp_path.glob("bench_inductor_*")), "the benchmark left its Inductor cache dirs behind"
 
 
-# -- pure parts of the benchmark (no processes) ----------------------------------------------------------
+def _check_metrics(modes: dict) -> None:
+    """Every metric of the report is there, for the modes that can have it."""
+    from benchmarks.config import IN_GRAPH_MODES
+
+    for mode, agg in modes.items():
+        first = agg["first_step"]["smoke"]
+        compiled = mode != "eager"
+        assert (first["compile_s"] > 0) == compiled and (first["dynamo_s"] > 0) == compiled, (mode, first)
+        parts = sum(first[k] for k in ("dynamo_s", "aot_s", "inductor_s", "cpp_compile_s", "other_s"))
+        assert parts == pytest.approx(first["wall_s"], rel=0.05, abs=0.05), (mode, first)
+        assert all(v and v > 0 for v in agg["steady_peak_rss_mb_per_rank"]), mode
+        assert agg["peak_rss_mb"] >= max(agg["steady_peak_rss_mb_per_rank"]) - 1, mode
+        prof = agg["profile"]
+        assert prof["measured"] and prof["all_reduces"] >= 1 and prof["overlap_percent"] is not None, (mode, prof)
+        assert all(p and p > 0 for p in prof["tensor_peak_mb_per_rank"]), (mode, prof)
+        hook = agg["overlap"]
+        if mode in IN_GRAPH_MODES:
+            assert not hook["recorded"] and "in_graph" in hook["reason"], mode
+        elif mode in DDP_HOOK_MODES:
+            assert hook["recorded"] and hook["overlap_percent"] is not None, mode
+    in_backward = modes["ours_step_in_backward"]["info"]["optimizer_in_backward"]
+    assert in_backward["active"] and in_backward["from_update"] == 2, in_backward
+    assert modes["ours_in_graph"]["info"]["in_graph_variants"], "no in-graph graph was compiled"
+
+
+# -- pure parts of the benchmark (no processes; more in tests/single/test_benchmark_parts.py) --------------
 
 
 def _agg(loss: float, jobs: list[float] | None = None) -> dict:
@@ -135,7 +173,7 @@ def _agg(loss: float, jobs: list[float] | None = None) -> dict:
 
 
 def test_loss_agreement_flags_the_mode_that_drifted():
-    from benchmarks.report import loss_agreement
+    from benchmarks.aggregate import loss_agreement
 
     modes = {"eager": _agg(2.0), "ours_compile": _agg(2.0001), "torch_ddpopt": _agg(2.5),
              "ours_step": {"status": "unavailable", "error": "ours_step rank 0: missing"}}
@@ -145,7 +183,7 @@ def test_loss_agreement_flags_the_mode_that_drifted():
 
 
 def test_loss_agreement_flags_a_mode_unstable_across_its_own_jobs():
-    from benchmarks.report import loss_agreement
+    from benchmarks.aggregate import loss_agreement
 
     result = loss_agreement({"eager": _agg(2.0, [2.0, 2.3])}, rtol=1e-3, atol=1e-4)
     assert result["ok"] is False and result["unstable"][0]["mode"] == "eager"
@@ -175,7 +213,7 @@ def test_checksum_distance_is_relative_to_the_update_and_sees_direction():
 
 
 def test_param_agreement_flags_wrong_modes_ranks_and_jobs():
-    from benchmarks.report import param_agreement
+    from benchmarks.aggregate import param_agreement
 
     good = _fingerprint({"w": [1.0, -2.0, 0.5]})
     local = _fingerprint({"w": [1.3, -1.6, 0.2]})  # a rank that followed its own gradient

@@ -1,0 +1,164 @@
+"""Markdown tables of an aggregated run: step time, memory and overlap; the first-step breakdown; ours vs PyTorch."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fmt(value: Any, spec: str = ".1f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def _per_rank(values: list[float | None] | None, spec: str = ".0f") -> str:
+    """Per-rank values as 'r0/r1/...' (a dash where a rank reported nothing)."""
+    if not values or all(v is None for v in values):
+        return "-"
+    return "/".join(_fmt(v, spec) for v in values)
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split()).replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _header(cells: list[str]) -> list[str]:
+    return [_row(cells), "|" + "---|" * len(cells)]
+
+
+MAIN_COLUMNS = ["mode", "status", "pieces", "step ms (median)", "min-max", "steady peak RSS MB/rank",
+                "step tensor peak MB/rank", "process peak RSS MB/rank", "cold 1st step s", "warm 1st step s",
+                "final loss", "scaling eff", "overlap % hook / prof", "exposed comm ms hook / prof"]
+
+
+def main_table(data: dict[str, Any]) -> list[str]:
+    """Step time, memory per rank, first step, loss, scaling and overlap: one row per mode."""
+    agreement = data["loss_agreement"]
+    bad = {d["mode"] for d in agreement["disagree"]} | {d["mode"] for d in agreement["unstable"]}
+    rows = _header(MAIN_COLUMNS)
+    for mode, a in data["modes"].items():
+        if a["status"] != "ok":
+            rows.append(_row([mode, f"{a['status']}: {_short(a['error'])}"] + [""] * (len(MAIN_COLUMNS) - 2)))
+            continue
+        ov, prof = a.get("overlap") or {}, a.get("profile") or {}
+        loss = f"{a['final_loss']:.5f}" + (" **DISAGREES**" if mode in bad else "")
+        warm = a["first_step_s_warm"] if a["first_step_s_warm"] is not None else a["first_step_s_smoke"]
+        cold = a["first_step_s_cold"] if mode != "eager" else None
+        rows.append(_row([
+            mode, "ok", _fmt(a["pieces"], "d"), _fmt(a["step_ms"]),
+            f"{_fmt(a['step_ms_min'])}-{_fmt(a['step_ms_max'])}",
+            _per_rank(a.get("steady_peak_rss_mb_per_rank")), _per_rank(prof.get("tensor_peak_mb_per_rank"), ".1f"),
+            _per_rank(a.get("peak_rss_mb_per_rank")),
+            _fmt(cold, ".1f", "no compile" if mode == "eager" else "-"), _fmt(warm, ".1f"),
+            loss, _fmt(a.get("scaling_efficiency"), ".2f"),
+            f"{_hook_cell(ov)} / {_prof_cell(prof)}",
+            f"{_fmt(ov.get('median_exposed_ms')) if ov.get('recorded') else '-'} / "
+            f"{_fmt(prof.get('median_exposed_ms')) if prof.get('measured') else '-'}",
+        ]))
+    return rows
+
+
+def _hook_cell(ov: dict[str, Any]) -> str:
+    if not ov:
+        return "-"
+    if not ov.get("recorded"):
+        reason = str(ov.get("reason", ""))
+        return ("n/a (python reducer)" if "python reducer" in reason
+                else "n/a (in-graph)" if "in_graph" in reason else "n/a")
+    return _fmt(ov.get("overlap_percent"), ".0f")
+
+
+def _prof_cell(prof: dict[str, Any]) -> str:
+    if not prof:
+        return "-"
+    return _fmt(prof.get("overlap_percent"), ".0f") if prof.get("measured") else "n/a"
+
+
+BREAKDOWN_COLUMNS = ["mode", "job", "1st step s", "compile s", "Dynamo s", "AOT + backend passes s", "Inductor s",
+                     "C++ compile s", "other s", "later warm-up compile s", "graphs", "FX cache hit/miss",
+                     "AOT cache hit/miss"]
+
+
+def breakdown_table(data: dict[str, Any]) -> list[str]:
+    """Where the first step's time went, per mode and job kind (cold cache, warm cache): the slowest rank."""
+    rows = _header(BREAKDOWN_COLUMNS)
+    for mode, a in data["modes"].items():
+        for kind, b in (a.get("first_step") or {}).items():
+            cache = b.get("cache", {})
+            rows.append(_row([
+                mode, kind, _fmt(b["wall_s"], ".2f"), _fmt(b["compile_s"], ".2f"), _fmt(b["dynamo_s"], ".2f"),
+                _fmt(b["aot_s"], ".2f"), _fmt(b["inductor_s"], ".2f"), _fmt(b["cpp_compile_s"], ".2f"),
+                _fmt(b["other_s"], ".2f"), _fmt(b.get("later_warmup_compile_s"), ".2f"), str(b.get("graphs", "-")),
+                f"{cache.get('fxgraph_hit', 0)}/{cache.get('fxgraph_miss', 0)}",
+                f"{cache.get('aot_hit', 0)}/{cache.get('aot_miss', 0)}",
+            ]))
+    return rows if len(rows) > 2 else []
+
+
+COMPARISON_COLUMNS = ["ours", "peer", "cold 1st step / peer", "warm 1st step / peer",
+                      "cold warm-up compile / peer", "best PyTorch mode", "step ms / best PyTorch"]
+
+
+def comparison_table(data: dict[str, Any]) -> list[str]:
+    """Ratios (< 1: ours faster) for each of our modes against its PyTorch peer and the best PyTorch mode."""
+    rows = _header(COMPARISON_COLUMNS)
+    for c in data.get("comparisons", []):
+        warm = c.get("first_step_warm_vs_peer", c.get("first_step_smoke_vs_peer"))
+        rows.append(_row([c["mode"], c["peer"], _fmt(c.get("first_step_cold_vs_peer"), ".2f"), _fmt(warm, ".2f"),
+                          _fmt(c.get("warmup_compile_cold_vs_peer"), ".2f"), c.get("best_torch") or "-",
+                          _fmt(c.get("step_ms_vs_best_torch"), ".2f")]))
+    return rows if len(rows) > 2 else []
+
+
+def agreement_line(agreement: dict[str, Any]) -> str:
+    if agreement["ok"] is None:
+        return "Loss agreement: no mode finished."
+    if agreement["ok"]:
+        return (f"Loss agreement: OK (all finished modes within {agreement['tolerance']:.2g} of "
+                f"{agreement['reference']}'s {agreement['reference_loss']:.5f}).")
+    parts = [f"{d['mode']} {d['loss']:.5f} ({d['diff']:+.2g})" for d in agreement["disagree"]]
+    parts += [f"{d['mode']} varies across jobs {d['losses']}" for d in agreement["unstable"]]
+    return (f"**WARNING: loss disagreement** beyond {agreement['tolerance']:.2g} vs "
+            f"{agreement['reference']} ({agreement['reference_loss']:.5f}): " + "; ".join(parts))
+
+
+def param_agreement_line(agreement: dict[str, Any]) -> str:
+    if agreement["ok"] is None:
+        if agreement["missing"]:
+            return "Parameter agreement: not checked (these results hold no parameter fingerprints)."
+        return "Parameter agreement: no mode finished."
+    if agreement["ok"]:
+        worst = max(agreement["distance"].values())
+        return (f"Parameter agreement: OK (every mode's final parameters within {worst:.1e} of "
+                f"{agreement['reference']}'s update; tolerance {agreement['rtol']:.0e}).")
+    parts = [f"{d['mode']} {d['distance']:.2g} from {agreement['reference']}" for d in agreement["disagree"]]
+    parts += [f"{d['mode']}: ranks {d['distance']:.2g} apart" for d in agreement["ranks_disagree"]]
+    parts += [f"{d['mode']} varies across jobs ({d['distance']:.2g})" for d in agreement["unstable"]]
+    parts += [f"{m}: no parameter fingerprint" for m in agreement["missing"]]
+    return f"**WARNING: parameter disagreement** beyond {agreement['rtol']:.0e}: " + "; ".join(parts)
+
+
+def markdown_table(result: dict[str, Any], workload: str, *, timing_claims: bool = True) -> str:
+    """One workload's section: main table, agreement lines, first-step breakdown, comparison with PyTorch."""
+    data = result["workloads"][workload]
+    lines = [f"### {workload}: {data['description']}", ""]
+    if data.get("purpose"):
+        lines += [f"_{data['purpose']}_", ""]
+    if not timing_claims:
+        lines.append("_smoke run: numbers below are not timing claims_\n")
+    lines += main_table(data) + ["", agreement_line(data["loss_agreement"])]
+    if "param_agreement" in data:  # results.json of runs before the parameter fingerprint have none
+        lines += ["", param_agreement_line(data["param_agreement"])]
+    breakdown = breakdown_table(data)
+    if breakdown:
+        lines += ["", f"First step of {workload}, where the time goes (slowest rank; seconds):", ""] + breakdown
+    compared = comparison_table(data)
+    if compared:
+        lines += ["", f"Ours vs PyTorch on {workload} (ratios; below 1 = ours faster):", ""] + compared
+    return "\n".join(lines)
+
+
+def all_tables(result: dict[str, Any], *, timing_claims: bool = True) -> str:
+    return "\n\n".join(markdown_table(result, w, timing_claims=timing_claims) for w in result["workloads"])
