@@ -249,7 +249,6 @@ def save_for_backward(forward: fx.GraphModule, backward: fx.GraphModule, fw_node
     position = len(outputs) - n_saved + len(tensors)  # saved tensors come before saved sizes
     outputs.insert(position, fw_node)
     fw_out.args = (tuple(outputs),)
-    forward.recompile()
     anchor = bw_placeholders[len(tensors) - 1] if tensors else None
     if anchor is None:
         with backward.graph.inserting_before(bw_placeholders[0] if bw_placeholders else None):
@@ -258,7 +257,6 @@ def save_for_backward(forward: fx.GraphModule, backward: fx.GraphModule, fw_node
         with backward.graph.inserting_after(anchor):
             placeholder = backward.graph.placeholder(f"saved_{fw_node.name}")
     placeholder.meta.update(fw_node.meta)
-    backward.recompile()
     return placeholder
 
 

@@ -168,6 +168,7 @@ def insert_bucketed_all_reduce(
         if forward is None:
             raise AssertionError("updates need the forward graph (its saved values)")
         _insert_updates(forward, backward, builder, issued, updates, outputs)
+        forward.recompile()
     output.args = (tuple(outputs),)
     graph.lint()
     backward.recompile()

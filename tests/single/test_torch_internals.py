@@ -275,6 +275,9 @@ def test_a_forward_input_can_be_saved_for_the_backward():
         assert placeholder.op == "placeholder"
         assert len([n for n in bw.graph.nodes if n.op == "placeholder"]) == before + 1
         assert torch_dynamo.save_for_backward(fw, bw, unused) is placeholder  # saved once
+        fw.recompile()
+        bw.recompile()
+        assert placeholder.name in bw.code
 
 
 def test_a_mutating_function_is_captured_as_a_functional_graph():
