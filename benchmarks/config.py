@@ -36,7 +36,6 @@ MODE_HELP: dict[str, str] = {
 IN_GRAPH_MODES = frozenset({"ours_in_graph", "ours_step_in_graph", "ours_step_in_backward"})
 """Modes whose compiled backward all-reduces itself: DDP's comm hooks (the overlap recorder) see nothing."""
 
-BACKENDS = ("inductor", "aot_eager", "eager")
 
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     # SGD keeps the cross-mode parameter gate sharp: its update is linear in the gradient, so a wrong
@@ -191,6 +190,8 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.modes={list(self.modes)!r}: choose from {list(MODES)}")
         if len(set(self.modes)) != len(self.modes):
             raise ValueError(f"BenchConfig.modes={list(self.modes)!r} names a mode twice; list each mode once")
+        from compile_core.config import BACKENDS  # one list of backends; imported late: it imports torch
+
         if self.backend not in BACKENDS:
             raise ValueError(f"BenchConfig.backend={self.backend!r}: choose from {list(BACKENDS)}")
         if self.optimizer not in OPTIMIZERS:

@@ -9,12 +9,13 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from launch.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GRACE_S = 10.0
@@ -41,12 +42,6 @@ class JobSpec:
     """TORCHINDUCTOR_CACHE_DIR for every rank of the job."""
     worker: dict[str, Any]
     """Everything the worker reads (see benchmarks.worker.run)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_env(spec: JobSpec, rank: int, port: int) -> dict[str, str]:
@@ -90,7 +85,7 @@ def run_job(spec: JobSpec, jobs_dir: Path, *, timeout_s: float) -> dict[str, Any
     job_dir.mkdir(parents=True, exist_ok=True)
     spec_path = job_dir / "spec.json"
     spec_path.write_text(json.dumps(spec.worker, indent=1))
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(spec.world_size):
         with open(job_dir / f"rank{rank}.log", "w") as log:
