@@ -92,7 +92,7 @@ class TrainStep:
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device_type = _device_type(model)
-        self._opt_events = CompileEvents(breaks_from="counters")
+        self._opt_events = CompileEvents(breaks_from="counters", name="optimizer update")
         self._opt_fallback: str | None = None  # why the update runs eagerly, once it does
         self._pins = HyperparamPins(optimizer)
         self._update: CompiledUpdate | None = None
@@ -161,7 +161,7 @@ class TrainStep:
             self.lr_scheduler.step()
             last_lr_as_floats(self.lr_scheduler)
         self._updates = index
-        logger.info(
+        logger.debug(  # every step: DEBUG, so that INFO stays for compile progress
             "train_step: update %d applied after %d micro-batch(es) (optimizer %s, %s)",
             index, self.config.accum_steps, type(self.optimizer).__name__, self._update_mode(),
         )

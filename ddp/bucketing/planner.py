@@ -19,6 +19,8 @@ that node. Two refinements keep every piece well-formed:
 A higher-order op (activation checkpointing, `wrap`) is one node whose body is a `get_attr`: the body
 goes with its caller, so the region is never cut. Buffers and the parameters DDP ignores are never
 counted. A bucket holds parameters of one dtype/device only (DDP's rule): a change of key closes it.
+With `repeats` (parameter name -> repeated block, ddp/bucketing/repeats.py) a bucket closes only
+once every block it touched is complete, so buckets hold whole blocks and their pieces are alike.
 
 Notes: the planner is pure: it reads the graph and a table of parameter facts and returns a
 `BucketPlan`; it needs no process group and mutates nothing. `ddp.splitter` turns the plan into
@@ -79,6 +81,8 @@ class BucketPlan:
     """Cap used for every bucket but the first."""
     first_bucket_cap_bytes: int
     """Cap used for the first bucket."""
+    aligned_to: tuple[str, ...] = ()
+    """Repeated blocks whose boundaries the cuts kept to (empty: cuts by bytes only)."""
 
     @property
     def num_pieces(self) -> int:
@@ -110,12 +114,14 @@ def plan_buckets(
     bucket_cap_bytes: int,
     first_bucket_cap_bytes: int | None = None,
     ignore: frozenset[str] = frozenset(),
+    repeats: Mapping[str, str] | None = None,
 ) -> BucketPlan:
     """Plan the buckets (= pieces) of `graph`.
 
     `params` maps the name of a graph node that *is* a trainable parameter (a placeholder, or a
     `get_attr` of a parameter) to its facts; every other node is data or a buffer. `ignore` holds
-    user names DDP does not reduce (`_ddp_params_and_buffers_to_ignore`).
+    user names DDP does not reduce (`_ddp_params_and_buffers_to_ignore`). `repeats` maps user names
+    to their repeated block (`repeated_units`): buckets then hold whole blocks.
     """
     cap, first_cap = resolve_caps(bucket_cap_bytes, first_bucket_cap_bytes)
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
@@ -145,6 +151,14 @@ def plan_buckets(
     for n in nodes:
         attached_to.setdefault(anchor[n], []).append(n)
 
+    units = _contiguous_units(nodes, anchor, owned, repeats or {})
+    remaining: dict[str, int] = {}
+    for infos in owned.values():
+        for p in infos:
+            if p.name in units:
+                remaining[units[p.name]] = remaining.get(units[p.name], 0) + 1
+    open_units: set[str] = set()
+
     groups: list[dict] = []  # built in backward order
     open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
     output_node = next(n for n in graph.nodes if n.op == "output")
@@ -163,6 +177,7 @@ def plan_buckets(
             groups.append(open_group)
             open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
             member = set()
+            open_units = set()
         attached = attached_to[node]
         open_group["nodes"].extend(attached)
         member.update(attached)
@@ -170,13 +185,19 @@ def plan_buckets(
             open_group["params"].append(p.name)
             open_group["bytes"] += p.nbytes
             open_group["key"] = p.key
+            unit = units.get(p.name)
+            if unit is not None:
+                remaining[unit] -= 1
+                open_units.add(unit)
         if not open_group["out"]:
             open_group["out"] = any(feeds_outside(member, n) for n in attached)
         limit = first_cap if not groups else cap
-        if open_group["params"] and open_group["bytes"] >= limit and open_group["out"]:
+        whole = all(remaining[u] == 0 for u in open_units)
+        if open_group["params"] and open_group["bytes"] >= limit and open_group["out"] and whole:
             groups.append(open_group)
             open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
             member = set()
+            open_units = set()
     if open_group["nodes"]:
         if groups and not open_group["params"]:
             groups[-1]["nodes"].extend(open_group["nodes"])  # parameter-free preamble
@@ -194,4 +215,38 @@ def plan_buckets(
         )
         for i, g in enumerate(groups)
     )
-    return BucketPlan(buckets=buckets, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap)
+    containers = sorted({u.rsplit(".", 1)[0] if "." in u else "" for u in units.values()})
+    return BucketPlan(buckets=buckets, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap,
+                      aligned_to=tuple(containers))
+
+
+def _contiguous_units(
+    nodes: list[fx.Node], anchor: dict, owned: dict[fx.Node, list[ParamInfo]], repeats: Mapping[str, str]
+) -> dict[str, str]:
+    """`repeats` restricted to units whose parameters are first used in one stretch of the graph.
+
+    A unit interleaved with another (a weight shared across blocks) would keep its bucket open
+    until the other completes, possibly to the end of the graph: such units are cut by bytes.
+    """
+    if not repeats:
+        return {}
+    runs: dict[str, int] = {}
+    previous = None
+    for node in nodes:
+        if anchor[node] is not node:
+            continue
+        for p in owned.get(node, []):
+            unit = repeats.get(p.name)
+            if unit is None:
+                continue
+            if unit != previous:
+                runs[unit] = runs.get(unit, 0) + 1
+                previous = unit
+    keep = {u for u, n in runs.items() if n == 1}
+    kept = {name: unit for name, unit in repeats.items() if unit in keep}
+    # Still repeats only if at least two units of one container survived.
+    count: dict[str, int] = {}
+    for unit in set(kept.values()):
+        container = unit.rsplit(".", 1)[0] if "." in unit else ""
+        count[container] = count.get(container, 0) + 1
+    return {n: u for n, u in kept.items() if count[u.rsplit(".", 1)[0] if "." in u else ""] >= 2}

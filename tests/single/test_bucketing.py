@@ -175,3 +175,87 @@ def test_handmade_graph_with_get_attr_parameters():
     plan = plan_buckets(gm.graph, table, bucket_cap_bytes=1024)
     assert [b.params for b in plan.buckets] == [("w2",), ("w1",)]
     assert str(plan).count("bucket") == 3  # header + one line per bucket
+
+
+# -- repeated blocks (ddp/bucketing/repeats.py) ---------------------------------------------------------
+
+
+class Blocks(nn.Module):
+    """An input layer, four identical blocks, a head: the shape of a transformer."""
+
+    def __init__(self, n: int = 4, width: int = 64) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(n)
+        )
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+BLOCK = (64 * 128 + 128 + 128 * 64 + 64) * 4  # bytes of one block's parameters
+
+
+def test_repeated_units_come_from_names_and_sizes():
+    from ddp.bucketing.repeats import describe_units, repeated_units, unit_of
+
+    assert unit_of("blocks.3.fc.weight") == ("blocks", "blocks.3")
+    assert unit_of("layers.2.sub.0.w") == ("layers", "layers.2")  # the outermost index wins
+    assert unit_of("0.weight") == ("", "0") and unit_of("head.weight") is None
+    infos = [ParamInfo(name=f"blocks.{i}.{s}", nbytes=64, key="f") for i in range(3) for s in ("w", "b")]
+    infos += [ParamInfo(name="blocks.3.w", nbytes=128, key="f"), ParamInfo(name="head.w", nbytes=64, key="f")]
+    units = repeated_units(infos)
+    # blocks.3 has another size: not a repeat of the others; head belongs to no unit
+    assert units == {f"blocks.{i}.{s}": f"blocks.{i}" for i in range(3) for s in ("w", "b")}
+    assert describe_units(units) == "blocks.<i> (3 units)"
+
+
+def test_buckets_hold_whole_blocks_when_the_model_repeats_one():
+    gm, table = capture(Blocks(), torch.randn(2, 64))
+    from ddp.bucketing.repeats import repeated_units
+
+    units = repeated_units(table.values())
+    by_bytes = plan_buckets(gm.graph, table, bucket_cap_bytes=BLOCK // 3)
+    aligned = plan_buckets(gm.graph, table, bucket_cap_bytes=BLOCK // 3, repeats=units)
+    assert by_bytes.aligned_to == () and aligned.aligned_to == ("blocks",)
+    # by bytes: cuts fall inside the blocks; aligned: each bucket is one whole block (>= the cap)
+    assert any(len({p.split(".")[1] for p in b.params if p.startswith("blocks.")}) == 1 and len(b.params) == 2
+               for b in by_bytes.buckets)
+    with_blocks = [b for b in aligned.buckets if any(p.startswith("blocks.") for p in b.params)]
+    assert [sorted({p.split(".")[1] for p in b.params if p.startswith("blocks.")}) for b in with_blocks] == [
+        ["3"], ["2"], ["1"], ["0"]
+    ]  # the head (under the first cap) shares block 3's bucket
+    assert [b.nbytes for b in with_blocks[1:]] == [BLOCK] * 3
+    # a cap of two blocks gives two blocks per bucket
+    two = plan_buckets(gm.graph, table, bucket_cap_bytes=2 * BLOCK, first_bucket_cap_bytes=1, repeats=units)
+    assert [b.nbytes for b in two.buckets if all(p.startswith("blocks.") for p in b.params)] == [2 * BLOCK, 2 * BLOCK]
+
+
+class SharedAcrossBlocks(nn.Module):
+    """Block i first uses block i+1's weight: the blocks' parameters interleave, so they are no units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = torch.relu(block(F.linear(x, self.blocks[(i + 1) % 3].weight)))
+        return x
+
+
+def test_interleaved_units_fall_back_to_cutting_by_bytes():
+    gm, table = capture(SharedAcrossBlocks(), torch.randn(2, 16))
+    from ddp.bucketing.repeats import repeated_units
+
+    units = repeated_units(table.values())
+    assert len(set(units.values())) == 3  # by their names they would be units...
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=1, repeats=units)
+    assert plan.aligned_to == ()  # ...but waiting for one to complete could swallow the graph
+    assert plan.num_pieces >= 2
+    assert sum(b.nbytes for b in plan.buckets) == 3 * (16 * 16 + 16) * 4

@@ -1,0 +1,112 @@
+"""Compile once in one process: structural keys, identical pieces reused, layouts kept between pieces."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from aot.structure import structural_key, structural_lines
+from ddp.bucketing import MiB
+from ddp.splitter import DDPSplitter, SplitterConfig
+from tests.single.ddp_helpers import Blocks, run_against_eager, x64
+
+pytestmark = pytest.mark.usefixtures("pg")
+
+
+def captured(fn, *inputs):
+    seen = []
+
+    def keep(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.optimize(keep)(fn)(*inputs)
+    return seen[0]
+
+
+def test_structural_key_ignores_names_and_sees_shapes_and_code():
+    a, b, c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+    ka = structural_key(*captured(lambda x: torch.relu(a(x)), torch.randn(2, 8)))
+    torch._dynamo.reset()
+    kb = structural_key(*captured(lambda x: torch.relu(b(x)), torch.randn(2, 8)))
+    torch._dynamo.reset()
+    kc = structural_key(*captured(lambda x: torch.relu(c(x)), torch.randn(2, 8)))
+    torch._dynamo.reset()
+    kd = structural_key(*captured(lambda x: torch.tanh(a(x)), torch.randn(2, 8)))
+    assert ka == kb  # other parameters, other node names: the same compiled code
+    assert ka != kc and ka != kd  # another weight shape, another op
+    gm, inputs = captured(lambda x: torch.relu(a(x)), torch.randn(2, 8))
+    assert structural_key(gm, inputs, extra=("inductor",)) != structural_key(gm, inputs, extra=("aot_eager",))
+    assert any("torch.relu" in line or "relu" in line for line in structural_lines(gm, inputs))
+
+
+def test_identical_blocks_compile_once_and_match_eager_ddp():
+    compiled, report = run_against_eager(Blocks, x64, backend="aot_eager", bucket_cap_mb=0.01)
+    graph = report["graphs"][0]
+    assert graph["pieces"] == 6  # inp | block 0 | block 1 | block 2 | block 3 | head
+    caps = graph["bucket_caps"]
+    assert caps["aligned_to"] == ["blocks"] and caps["requested_bytes"] == int(0.01 * MiB)
+    assert all(planned >= caps["requested_bytes"] for planned in caps["planned_bytes"][1:])
+    rows = {r["name"]: r for r in report["piece_compiles"]}
+    reused = sorted(n for n, r in rows.items() if r["reused_from"])
+    assert reused == ["graph_0.piece_2", "graph_0.piece_3", "graph_0.piece_4"]
+    assert {rows[n]["reused_from"] for n in reused} == {"graph_0.piece_1"}
+    assert report["compile_once"] == {"pieces": 6, "reused": 3, "cache_hits": 0, "compiled": 3, "waited_s": 0.0}
+    assert len(report["pairs"]) == 3  # one AOT compile per distinct piece
+    text = str(compiled.report())
+    assert "reused from graph_0.piece_1" in text and "at blocks.<i> boundaries" in text
+
+
+def test_without_reuse_every_piece_compiles_and_cuts_follow_bytes():
+    _, report = run_against_eager(Blocks, x64, backend="aot_eager", bucket_cap_mb=0.01, reuse_pieces=False)
+    assert report["graphs"][0]["bucket_caps"]["aligned_to"] == []
+    assert report["compile_once"]["reused"] == 0
+    assert len(report["pairs"]) == report["graphs"][0]["pieces"]
+
+
+def test_reuse_pieces_must_be_a_bool():
+    import compile_core
+
+    with pytest.raises(TypeError, match="reuse_pieces"):
+        compile_core.compile(nn.Linear(2, 2), reuse_pieces="yes")
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_piece_whose_compiled_outputs_change_layout_is_copied_back():
+    """A compiler may pick other output strides than eager; the next piece gets the eager ones."""
+    torch.manual_seed(0)
+    model = Chain()
+    ref_out = model(torch.ones(8, 16))
+
+    def column_major(gm, example_inputs, name):
+        def run(*args):
+            return tuple(o.t().contiguous().t() if o.dim() == 2 else o for o in gm(*args))
+
+        return run, True  # as if AOTAutograd had compiled it
+
+    seen_strides = []
+
+    def checking(items):
+        out = []
+        for gm, inputs, name in items:
+            seen_strides.append([tuple(t.stride()) for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 2])
+            out.append(column_major(gm, inputs, name))
+        return out
+
+    graphs = []
+    config = SplitterConfig(bucket_cap_bytes=1, first_bucket_cap_bytes=1,
+                            param_names={id(p): n for n, p in model.named_parameters()})
+    fn = torch._dynamo.optimize(DDPSplitter(config, column_major, graphs.append, compile_pieces=checking))(model)
+    out = fn(torch.ones(8, 16))
+    torch.testing.assert_close(out, ref_out)
+    assert graphs[0].pieces == 2
+    assert graphs[0].restrided[0] >= 1  # piece 0's output was copied into the row-major layout
+    assert (16, 1) in seen_strides[1]  # piece 1 was compiled for the eager layout
