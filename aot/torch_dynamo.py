@@ -195,6 +195,19 @@ def watch_caches() -> Iterator[CacheOutcome]:
             outcome.reason = handler.reasons[-1]
 
 
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:
+    """How many step pre/post hooks (global or on `optimizer`) `optimizer.step()` would call.
+
+    Mirrors `Optimizer._optimizer_step_pre_hooks`/`_optimizer_step_post_hooks` and the module-level
+    `_global_optimizer_pre_hooks`/`_global_optimizer_post_hooks` (`torch/optim/optimizer.py`),
+    which `Optimizer.profile_hook_step` runs around every `step()`; there is no public count.
+    """
+    from torch.optim import optimizer as optim_module
+
+    return (len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
+            + len(optim_module._global_optimizer_pre_hooks) + len(optim_module._global_optimizer_post_hooks))
+
+
 def aot_autograd_backend(**kwargs: Any) -> Callable[..., Any]:
     """A Dynamo backend running AOTAutograd with the given compilers (`_dynamo/backends/common.py`)."""
     from torch._dynamo.backends.common import aot_autograd

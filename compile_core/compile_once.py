@@ -143,6 +143,13 @@ def _rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank_offset(n: int) -> int:
+    """Where this rank starts in a list of `n` things to compile, so the ranks of a node start apart."""
+    rank, world = _rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or 1
+    return ((rank % local) * n) // local if n else 0
+
+
 def say(message: str, *args: Any) -> None:
     """A progress line: INFO on rank 0, DEBUG on the other ranks (they compile the same things)."""
     level = logging.INFO if _rank()[0] == 0 else logging.DEBUG
@@ -172,7 +179,7 @@ class CompileOnce:
         first: dict[str, int] = {}
         todo: list[int] = []
         for i, key in enumerate(keys):
-            if key is None or (key not in first and key not in self._done):
+            if not self.reuse or key is None or (key not in first and key not in self._done):
                 todo.append(i)
             if key is not None:
                 first.setdefault(key, i)
@@ -229,9 +236,8 @@ class CompileOnce:
         self, jobs: Sequence[Job], keys: list, todo: list[int], results: list,
         compile_fn: Callable[[Job], Compiled], claims: CompileClaims,
     ) -> None:
-        rank, world = _rank()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or 1
-        offset = ((rank % local) * len(todo)) // local
+        rank, _ = _rank()
+        offset = rank_offset(len(todo))
         order = todo[offset:] + todo[:offset]
         deferred = []
         for i in order:

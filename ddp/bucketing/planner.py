@@ -167,10 +167,23 @@ def plan_buckets(
         return any(u is output_node or (u in position and u not in group_nodes and position[u] > position[node])
                    for u in node.users)
 
+    # With repeated blocks: the bytes of non-block parameters between each step of the walk and the
+    # next block, and whether a block follows. A small stretch of them (a final norm before the head)
+    # joins the bucket before it rather than the next block's, so that block stays like the others.
+    walk = [n for n in reversed(nodes) if anchor[n] is n]
+    ahead_bytes: dict[fx.Node, int] = {}
+    ahead_unit: dict[fx.Node, bool] = {}
+    stretch, unit_next = 0, False
+    for node in reversed(walk):
+        ahead_bytes[node], ahead_unit[node] = stretch, unit_next
+        infos = owned.get(node, [])
+        if any(p.name in units for p in infos):
+            stretch, unit_next = 0, True
+        elif infos:
+            stretch += sum(p.nbytes for p in infos)
+
     member: set = set()
-    for node in reversed(nodes):
-        if anchor[node] is not node:
-            continue  # placed with its anchor below
+    for node in walk:
         infos = owned.get(node, [])
         keys = {p.key for p in infos}
         if open_group["params"] and keys and keys != {open_group["key"]} and open_group["out"]:
@@ -193,7 +206,8 @@ def plan_buckets(
             open_group["out"] = any(feeds_outside(member, n) for n in attached)
         limit = first_cap if not groups else cap
         whole = all(remaining[u] == 0 for u in open_units)
-        if open_group["params"] and open_group["bytes"] >= limit and open_group["out"] and whole:
+        before_block = not open_units and ahead_unit[node] and 0 < ahead_bytes[node] < cap
+        if open_group["params"] and open_group["bytes"] >= limit and open_group["out"] and whole and not before_block:
             groups.append(open_group)
             open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
             member = set()

@@ -259,3 +259,16 @@ def test_interleaved_units_fall_back_to_cutting_by_bytes():
     assert plan.aligned_to == ()  # ...but waiting for one to complete could swallow the graph
     assert plan.num_pieces >= 2
     assert sum(b.nbytes for b in plan.buckets) == 3 * (16 * 16 + 16) * 4
+
+
+def test_a_final_norm_joins_the_head_so_the_last_block_is_like_the_others():
+    from ddp.bucketing.repeats import repeated_units
+    from examples.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, d_model=32, n_layers=3, n_heads=4, max_seq_len=8)
+    gm, table = capture(GPT(cfg), torch.randint(0, 256, (2, 8)))
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=4096, repeats=repeated_units(table.values()))
+    assert plan.buckets[0].params == ("head.weight", "ln_f.weight", "ln_f.bias")
+    blocks = [sorted(p.split(".", 2)[2] for p in b.params) for b in plan.buckets[1:4]]
+    assert blocks[0] == blocks[1] == blocks[2]  # block 2's bucket holds nothing but block 2
+    assert [sorted({p.split(".")[1] for p in b.params}) for b in plan.buckets[1:4]] == [["2"], ["1"], ["0"]]

@@ -216,6 +216,22 @@ def test_watch_caches_reads_aot_and_fx_cache_outcomes(tmp_path, monkeypatch):
         assert outcomes[0].fx_misses >= 1 and outcomes[1].describe() == "aot cache hit"
 
 
+def test_optimizer_step_hooks_are_counted():
+    with canary("aot/torch_dynamo.py:optimizer_step_hooks"):
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+        assert torch_dynamo.optimizer_step_hooks(opt) == 0
+        handle = opt.register_step_pre_hook(lambda optimizer, args, kwargs: None)
+        assert torch_dynamo.optimizer_step_hooks(opt) == 1
+        handle.remove()
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None)
+        try:
+            assert torch_dynamo.optimizer_step_hooks(opt) == 1
+        finally:
+            handle.remove()
+
+
 def test_pytorch_ddp_optimizer_is_a_dynamo_config_value():
     with canary("aot/torch_dynamo.py:pytorch_ddp_optimizer"):
         with torch_dynamo.pytorch_ddp_optimizer():
