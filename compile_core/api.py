@@ -181,7 +181,7 @@ class CompiledModel:
     def _torch_piece(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         # PyTorch's DDPOptimizer calls this once per piece it made.
         name = f"torch_piece_{len(self._log.graphs)}"
-        compiled, _ = self._pieces(gm, list(example_inputs), name)
+        compiled, _ = self._pieces(gm, list(example_inputs), name, reuse=False)
         with self._log.lock:
             self._log.graphs.append(GraphEntry(name=name, pieces=1, buckets=[], seconds=0.0, step=self._calls))
         return compiled

@@ -168,18 +168,20 @@ class CompileOnce:
         self._claims: CompileClaims | None = None
 
     def compile_all(
-        self, jobs: Sequence[Job], extra: tuple, compile_fn: Callable[[Job], Compiled]
+        self, jobs: Sequence[Job], extra: tuple, compile_fn: Callable[[Job], Compiled], *, reuse: bool = True
     ) -> list[Compiled]:
-        """Compile `jobs` (the pieces of one graph, in forward order); equal keys compile once."""
+        """Compile `jobs` (the pieces of one graph, in forward order); equal keys compile once
+        (unless `reuse=False` for this batch)."""
         start = time.perf_counter()
         with self.lock:
             first_record = len(self.records)
-        keys = [self._key(job, extra) for job in jobs]
+        reuse = reuse and self.reuse
+        keys = [self._key(job, extra, reuse) for job in jobs]
         results: list[Compiled | None] = [None] * len(jobs)
         first: dict[str, int] = {}
         todo: list[int] = []
         for i, key in enumerate(keys):
-            if not self.reuse or key is None or (key not in first and key not in self._done):
+            if not reuse or key is None or (key not in first and key not in self._done):
                 todo.append(i)
             if key is not None:
                 first.setdefault(key, i)
@@ -285,8 +287,8 @@ class CompileOnce:
 
     # -- keys, claims, pair sizes ------------------------------------------------------------------
 
-    def _key(self, job: Job, extra: tuple) -> str | None:
-        if not self.reuse and not self.use_claims:
+    def _key(self, job: Job, extra: tuple, reuse: bool) -> str | None:
+        if not reuse and not self.use_claims:
             return None
         autocast = tuple(
             (device, torch.is_autocast_enabled(device), str(torch.get_autocast_dtype(device)))
@@ -294,7 +296,7 @@ class CompileOnce:
         )
         full = (*extra, torch.is_grad_enabled(), autocast)
         key = structural_key(job.gm, job.inputs, extra=full)
-        if not self.reuse:
+        if not reuse:
             # Claims only: make the key unique to this piece, so nothing is reused in-process.
             key = structural_key(job.gm, job.inputs, extra=(*full, job.name))
         return key

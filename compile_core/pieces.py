@@ -38,19 +38,21 @@ class PieceCompiler:
         )
 
     def __call__(
-        self, gm: fx.GraphModule, example_inputs: list, name: str, *, partitioner: Any = None
+        self, gm: fx.GraphModule, example_inputs: list, name: str, *, partitioner: Any = None, reuse: bool = True
     ) -> tuple[Callable[..., Any], bool]:
-        """`partitioner` (callable with a `uuid()`) replaces AOTAutograd's min-cut partition step."""
-        return self.compile_many([(gm, list(example_inputs), name)], partitioner=partitioner)[0]
+        """`partitioner` (callable with a `uuid()`) replaces AOTAutograd's min-cut partition step.
+        `reuse=False`: never hand back a callable compiled for another graph (PyTorch's DDPOptimizer
+        calls each piece's callable once on fake inputs, expecting a fresh compile)."""
+        return self.compile_many([(gm, list(example_inputs), name)], partitioner=partitioner, reuse=reuse)[0]
 
     def compile_many(
-        self, items: Sequence[tuple[fx.GraphModule, list, str]], *, partitioner: Any = None
+        self, items: Sequence[tuple[fx.GraphModule, list, str]], *, partitioner: Any = None, reuse: bool = True
     ) -> list[tuple[Callable[..., Any], bool]]:
         """Compile graphs that run together (a split graph's pieces, in forward order)."""
         jobs = [Job(gm=gm, inputs=list(inputs), name=name) for gm, inputs, name in items]
         extra = (self.config.backend_name, sorted(self.config.inductor_settings().config_patches().items()),
                  None if partitioner is None else partitioner.uuid(), self.config.dynamic)
-        results = self.once.compile_all(jobs, extra, lambda job: self._compile_chain(job, partitioner))
+        results = self.once.compile_all(jobs, extra, lambda job: self._compile_chain(job, partitioner), reuse=reuse)
         return [(r.fn, r.used_aot) for r in results]
 
     def _compile_chain(self, job: Job, partitioner: Any) -> Compiled:

@@ -110,3 +110,14 @@ def test_a_piece_whose_compiled_outputs_change_layout_is_copied_back():
     assert graphs[0].pieces == 2
     assert graphs[0].restrided[0] >= 1  # piece 0's output was copied into the row-major layout
     assert (16, 1) in seen_strides[1]  # piece 1 was compiled for the eager layout
+
+
+def test_pytorch_ddp_optimizer_pieces_are_never_reused():
+    """ddp='torch': DDPOptimizer runs each piece's callable once on fakes; a shared one would break."""
+    def make():
+        return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.ReLU())])  # 1 MiB layers
+
+    x = lambda step: torch.randn(4, 512, generator=torch.Generator().manual_seed(step))  # noqa: E731
+    _, report = run_against_eager(make, x, backend="aot_eager", ddp="torch", ddp_kwargs={"bucket_cap_mb": 1})
+    assert len(report["piece_compiles"]) == 4  # DDPOptimizer cut one piece per layer
+    assert all(r["reused_from"] is None for r in report["piece_compiles"])
