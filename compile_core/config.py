@@ -41,7 +41,7 @@ class CompileConfig:
     options: Mapping[str, Any] | None = None
     """Inductor config overrides (Inductor only)."""
     reuse_pieces: bool = True
-    """Cut buckets at the boundaries of repeated blocks and compile identical pieces once
+    """Keep bucket cuts in step with repeated blocks and compile identical pieces once
     (compile_core/compile_once.py); False: cut by bytes alone and compile every piece."""
 
     def __post_init__(self) -> None:

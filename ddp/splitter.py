@@ -71,7 +71,7 @@ class SplitterConfig:
     split: bool = True
     """False: plan (for the report) but compile every graph whole."""
     align_to_repeats: bool = True
-    """Cut only at the boundaries of repeated blocks where the model has them (whole blocks per bucket)."""
+    """Keep cuts in step with repeated blocks where the model has them (ddp/bucketing/repeats.py)."""
 
     def __post_init__(self) -> None:
         resolve_caps(self.bucket_cap_bytes, self.first_bucket_cap_bytes)

@@ -19,8 +19,9 @@ that node. Two refinements keep every piece well-formed:
 A higher-order op (activation checkpointing, `wrap`) is one node whose body is a `get_attr`: the body
 goes with its caller, so the region is never cut. Buffers and the parameters DDP ignores are never
 counted. A bucket holds parameters of one dtype/device only (DDP's rule): a change of key closes it.
-With `repeats` (parameter name -> repeated block, ddp/bucketing/repeats.py) a bucket closes only
-once every block it touched is complete, so buckets hold whole blocks and their pieces are alike.
+With `repeats` (parameter name -> repeated block, ddp/bucketing/repeats.py) the cuts keep in step
+with the blocks (whole blocks per bucket, or the same cuts inside every block when a block is bigger
+than the cap), so the pieces of the blocks are alike (Note [Buckets at block boundaries]).
 
 Notes: the planner is pure: it reads the graph and a table of parameter facts and returns a
 `BucketPlan`; it needs no process group and mutates nothing. `ddp.splitter` turns the plan into
@@ -152,15 +153,18 @@ def plan_buckets(
         attached_to.setdefault(anchor[n], []).append(n)
 
     units = _contiguous_units(nodes, anchor, owned, repeats or {})
-    remaining: dict[str, int] = {}
+    remaining: dict[str, int] = {}  # per unit: parameters not yet in a bucket
+    left: dict[str, int] = {}  # per unit: bytes not yet in a bucket
     for infos in owned.values():
         for p in infos:
             if p.name in units:
                 remaining[units[p.name]] = remaining.get(units[p.name], 0) + 1
-    open_units: set[str] = set()
+                left[units[p.name]] = left.get(units[p.name], 0) + p.nbytes
+    # A block bigger than the cap is cut inside, at the same places in every block ("periodic");
+    # smaller blocks are grouped whole, as many as the cap takes.
+    periodic = {u for u, nbytes in left.items() if nbytes > cap}
 
     groups: list[dict] = []  # built in backward order
-    open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
     output_node = next(n for n in graph.nodes if n.op == "output")
 
     def feeds_outside(group_nodes: set, node: fx.Node) -> bool:
@@ -182,36 +186,53 @@ def plan_buckets(
         elif infos:
             stretch += sum(p.nbytes for p in infos)
 
-    member: set = set()
+    state = {"group": _new_group(), "member": set(), "units": set()}
+
+    def close() -> None:
+        groups.append(state["group"])
+        state.update(group=_new_group(), member=set(), units=set())
+
     for node in walk:
+        group = state["group"]
         infos = owned.get(node, [])
         keys = {p.key for p in infos}
-        if open_group["params"] and keys and keys != {open_group["key"]} and open_group["out"]:
-            groups.append(open_group)
-            open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
-            member = set()
-            open_units = set()
+        if group["params"] and keys and keys != {group["key"]} and group["out"]:
+            close()
+        node_units = {units[p.name] for p in infos if p.name in units}
+        entering = node_units - state["units"]
+        if entering and state["group"]["params"] and state["group"]["out"] and (entering | state["units"]) & periodic:
+            # A block cut inside never shares a bucket with another block; parameters outside any
+            # block (a head) keep a bucket of their own unless they are a sliver (under half a cap).
+            if state["units"] or state["group"]["bytes"] >= (first_cap if not groups else cap) / 2:
+                close()
+        group = state["group"]
         attached = attached_to[node]
-        open_group["nodes"].extend(attached)
-        member.update(attached)
+        group["nodes"].extend(attached)
+        state["member"].update(attached)
         for p in infos:
-            open_group["params"].append(p.name)
-            open_group["bytes"] += p.nbytes
-            open_group["key"] = p.key
+            group["params"].append(p.name)
+            group["bytes"] += p.nbytes
+            group["key"] = p.key
             unit = units.get(p.name)
             if unit is not None:
                 remaining[unit] -= 1
-                open_units.add(unit)
-        if not open_group["out"]:
-            open_group["out"] = any(feeds_outside(member, n) for n in attached)
+                left[unit] -= p.nbytes
+                state["units"].add(unit)
+        if not group["out"]:
+            group["out"] = any(feeds_outside(state["member"], n) for n in attached)
+        if not (group["params"] and group["out"]):
+            continue
         limit = first_cap if not groups else cap
-        whole = all(remaining[u] == 0 for u in open_units)
-        before_block = not open_units and ahead_unit[node] and 0 < ahead_bytes[node] < cap
-        if open_group["params"] and open_group["bytes"] >= limit and open_group["out"] and whole and not before_block:
-            groups.append(open_group)
-            open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
-            member = set()
-            open_units = set()
+        whole = all(remaining[u] == 0 for u in state["units"])
+        inside = state["units"] & periodic
+        if inside:
+            # Cut by bytes inside the block, but leave no sliver of it for a bucket of its own.
+            if whole or (group["bytes"] >= limit and all(left[u] >= limit / 2 for u in inside)):
+                close()
+        elif group["bytes"] >= limit and whole:
+            if not (not state["units"] and ahead_unit[node] and 0 < ahead_bytes[node] < cap):
+                close()
+    open_group = state["group"]
     if open_group["nodes"]:
         if groups and not open_group["params"]:
             groups[-1]["nodes"].extend(open_group["nodes"])  # parameter-free preamble
@@ -232,6 +253,10 @@ def plan_buckets(
     containers = sorted({u.rsplit(".", 1)[0] if "." in u else "" for u in units.values()})
     return BucketPlan(buckets=buckets, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap,
                       aligned_to=tuple(containers))
+
+
+def _new_group() -> dict:
+    return {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
 
 
 def _contiguous_units(

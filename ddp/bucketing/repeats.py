@@ -11,10 +11,16 @@ alike and every one is compiled.
 Algorithm: a *unit* is a parameter-name prefix ending in a numeric component (`blocks.3`, or `3` for
 an `nn.Sequential` at the top). Units of one container (`blocks`) that have the same parameters
 (name suffixes, bytes, dtype/device) are *repeats*; a container needs at least two of them. The
-planner (planner.py) then closes a bucket only once every unit it touched is complete, so a bucket
-holds whole blocks (at least the cap's worth: a cap smaller than one block gives one block per
-bucket, and the report shows planned next to requested bytes). Where a parameter belongs to no
-unit (embeddings, the head), cuts follow the bytes rule as before.
+planner (planner.py) then keeps its cuts in step with the blocks:
+  * a block smaller than the cap: a bucket closes only once every block it touched is complete,
+    so buckets hold whole blocks (as many as the cap takes);
+  * a block bigger than the cap: every block starts a new bucket and is cut by bytes inside, which
+    puts the cuts at the same places in every block (no bucket spans two blocks; the last piece of a
+    block takes any sliver under half a cap rather than leaving it a bucket of its own).
+Either way the buckets stay close to the requested cap (the report shows planned next to requested
+bytes) and the pieces of block k and block k+1 are the same graph. Where a parameter belongs to no
+unit (embeddings, the head), cuts follow the bytes rule as before; a small stretch of them right
+before a block (a final norm) joins the bucket before it, so the last block stays like the others.
 
 Notes: the outermost numeric component wins (`layers.2.sub.0.w` belongs to `layers.2`), so a
 nested list inside a block stays inside its block. The planner also drops a unit whose parameters

@@ -215,23 +215,34 @@ def test_repeated_units_come_from_names_and_sizes():
     assert describe_units(units) == "blocks.<i> (3 units)"
 
 
-def test_buckets_hold_whole_blocks_when_the_model_repeats_one():
+def _by_block(plan) -> dict[str, list[list[str]]]:
+    """Block index -> the block parameter suffixes of each of its buckets (asserting one block per bucket)."""
+    out: dict[str, list[list[str]]] = {}
+    for b in plan.buckets:
+        params = [p for p in b.params if p.startswith("blocks.")]
+        blocks = {p.split(".")[1] for p in params}
+        assert len(blocks) <= 1, f"a bucket spans blocks {sorted(blocks)}: {b.params}"
+        if blocks:
+            out.setdefault(blocks.pop(), []).append(sorted(p.split(".", 2)[2] for p in params))
+    return out
+
+
+def test_cuts_keep_to_block_boundaries_when_the_model_repeats_one():
     gm, table = capture(Blocks(), torch.randn(2, 64))
     from ddp.bucketing.repeats import repeated_units
 
     units = repeated_units(table.values())
-    by_bytes = plan_buckets(gm.graph, table, bucket_cap_bytes=BLOCK // 3)
-    aligned = plan_buckets(gm.graph, table, bucket_cap_bytes=BLOCK // 3, repeats=units)
-    assert by_bytes.aligned_to == () and aligned.aligned_to == ("blocks",)
-    # by bytes: cuts fall inside the blocks; aligned: each bucket is one whole block (>= the cap)
-    assert any(len({p.split(".")[1] for p in b.params if p.startswith("blocks.")}) == 1 and len(b.params) == 2
-               for b in by_bytes.buckets)
-    with_blocks = [b for b in aligned.buckets if any(p.startswith("blocks.") for p in b.params)]
-    assert [sorted({p.split(".")[1] for p in b.params if p.startswith("blocks.")}) for b in with_blocks] == [
-        ["3"], ["2"], ["1"], ["0"]
-    ]  # the head (under the first cap) shares block 3's bucket
-    assert [b.nbytes for b in with_blocks[1:]] == [BLOCK] * 3
-    # a cap of two blocks gives two blocks per bucket
+    assert plan_buckets(gm.graph, table, bucket_cap_bytes=BLOCK // 3).aligned_to == ()
+    # a cap under one block: every block is cut inside, at the same places, and no bucket spans two
+    small = plan_buckets(gm.graph, table, bucket_cap_bytes=BLOCK // 3, repeats=units)
+    assert small.aligned_to == ("blocks",)
+    per_block = _by_block(small)
+    assert sorted(per_block) == ["0", "1", "2", "3"]
+    assert per_block["0"] == per_block["1"] == per_block["2"] == per_block["3"] and len(per_block["0"]) == 2
+    assert small.buckets[0].params[:2] == ("head.weight", "head.bias")  # a sliver of a head joins block 3
+    # a cap of one block: one block per bucket; of two blocks: two whole blocks per bucket
+    one = plan_buckets(gm.graph, table, bucket_cap_bytes=BLOCK, first_bucket_cap_bytes=1, repeats=units)
+    assert [b.nbytes for b in one.buckets if all(p.startswith("blocks.") for p in b.params)] == [BLOCK] * 4
     two = plan_buckets(gm.graph, table, bucket_cap_bytes=2 * BLOCK, first_bucket_cap_bytes=1, repeats=units)
     assert [b.nbytes for b in two.buckets if all(p.startswith("blocks.") for p in b.params)] == [2 * BLOCK, 2 * BLOCK]
 
@@ -269,6 +280,7 @@ def test_a_final_norm_joins_the_head_so_the_last_block_is_like_the_others():
     gm, table = capture(GPT(cfg), torch.randint(0, 256, (2, 8)))
     plan = plan_buckets(gm.graph, table, bucket_cap_bytes=4096, repeats=repeated_units(table.values()))
     assert plan.buckets[0].params == ("head.weight", "ln_f.weight", "ln_f.bias")
-    blocks = [sorted(p.split(".", 2)[2] for p in b.params) for b in plan.buckets[1:4]]
-    assert blocks[0] == blocks[1] == blocks[2]  # block 2's bucket holds nothing but block 2
-    assert [sorted({p.split(".")[1] for p in b.params}) for b in plan.buckets[1:4]] == [["2"], ["1"], ["0"]]
+    per_block = _by_block(plan)
+    assert per_block["0"] == per_block["1"] == per_block["2"]  # block 2's buckets hold nothing but block 2
+    # cut inside at the cap (about 4 KiB), never leaving a sliver (ln1) for a bucket of its own
+    assert len(per_block["0"]) == 4 and ["ln1.bias", "ln1.weight", "qkv.bias", "qkv.weight"] in per_block["0"]
