@@ -121,3 +121,13 @@ def test_pytorch_ddp_optimizer_pieces_are_never_reused():
     _, report = run_against_eager(make, x, backend="aot_eager", ddp="torch", ddp_kwargs={"bucket_cap_mb": 1})
     assert len(report["piece_compiles"]) == 4  # DDPOptimizer cut one piece per layer
     assert all(r["reused_from"] is None for r in report["piece_compiles"])
+
+
+def test_rank0_shows_one_line_per_piece_and_a_summary(caplog):
+    with caplog.at_level("INFO", logger="compile_core"):
+        run_against_eager(Blocks, x64, backend="aot_eager", bucket_cap_mb=0.01)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("compile_core")]
+    assert any(line.startswith("compile_core: graph_0.piece_1 compiled (no disk cache)") for line in lines), lines
+    assert "compile_core: graph_0.piece_3 reused from graph_0.piece_1 (0.00 s)" in lines
+    assert any(line.startswith("compile_core: graph_0: 10 pieces, 4 compiled or loaded") for line in lines), lines
+    assert any(line.startswith("compile_core: model: call 1 compiled 1 graph(s) in") for line in lines), lines
