@@ -17,6 +17,9 @@ Notes: nothing here knows about DDP or buckets. A backward graph may be compiled
 backward (AOTAutograd does so when the saved values include symbolic sizes): the pair is recorded at
 forward time and its backward filled in then.
 
+A graph loaded from AOTAutograd's cache is never handed to the compilers: such a pair has no graphs,
+`cache="hit"`, and the sizes its caller kept when it was compiled (`sizes`/`restore`).
+
 Debugging: `GraphPair.describe()` prints both graphs' sizes; `pair.forward.print_readable()` shows code.
 """
 from __future__ import annotations
@@ -41,29 +44,51 @@ class GraphPair:
     """Its backward graph; None for inference graphs or until compiled lazily."""
     num_saved: int = 0
     """Tensors (and sizes) the forward saves for the backward."""
+    cache: str | None = None
+    """AOTAutograd's cache: "hit" (the graphs were never handed to us: sizes come from `restore`),
+    "miss", "bypass", or None (no cache consulted)."""
+    forward_ops: int | None = None
+    """Operations of the forward graph (None: not known, a cache hit without recorded sizes)."""
+    backward_ops: int | None = None
+    """Operations of the backward graph (None: no backward, or not known)."""
 
     def record(self, graph: fx.GraphModule, *, backward: bool) -> None:
         """Note a graph AOTAutograd produced for this pair."""
         if backward:
             self.backward = graph
             self.num_saved = _count_saved(graph)
+            self.backward_ops = _ops(graph)
         else:
             self.forward = graph
+            self.forward_ops = _ops(graph)
+
+    def sizes(self) -> dict:
+        """What `restore` needs to describe this pair without its graphs (kept next to a cache entry)."""
+        return {"forward_ops": self.forward_ops, "backward_ops": self.backward_ops, "num_saved": self.num_saved}
+
+    def restore(self, sizes: dict) -> None:
+        self.forward_ops = sizes["forward_ops"]
+        self.backward_ops = sizes["backward_ops"]
+        self.num_saved = int(sizes["num_saved"])
 
     def describe(self) -> str:
-        def ops(g: fx.GraphModule | None) -> int:
-            return 0 if g is None else sum(1 for n in g.graph.nodes if n.op == "call_function")
-
-        bw = "-" if self.backward is None else f"{ops(self.backward)} ops"
-        return f"{self.name}: forward {ops(self.forward)} ops, backward {bw}, saved {self.num_saved}"
+        fw = "?" if self.forward_ops is None else str(self.forward_ops)
+        bw = "-" if self.backward_ops is None else f"{self.backward_ops} ops"
+        cached = f" (aot cache {self.cache})" if self.cache else ""
+        return f"{self.name}: forward {fw} ops, backward {bw}, saved {self.num_saved}{cached}"
 
     def to_dict(self) -> dict:
         return {
             "name": self.name,
-            "forward_ops": 0 if self.forward is None else sum(1 for n in self.forward.graph.nodes if n.op == "call_function"),
-            "backward_ops": None if self.backward is None else sum(1 for n in self.backward.graph.nodes if n.op == "call_function"),
+            "forward_ops": self.forward_ops,
+            "backward_ops": self.backward_ops,
             "num_saved": self.num_saved,
+            "cache": self.cache,
         }
+
+
+def _ops(graph: fx.GraphModule) -> int:
+    return sum(1 for n in graph.graph.nodes if n.op == "call_function")
 
 
 def _count_saved(backward: fx.GraphModule) -> int:

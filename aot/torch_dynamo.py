@@ -9,6 +9,8 @@ Public routes (`torch.compile`, `torch.compiler.reset`, `functorch.compile`) are
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -106,44 +108,119 @@ def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:
     return torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()
 
 
-class PieceMetadata:
-    """The per-piece forward metadata slots of Dynamo's `TracingContext` (`torch/_guards.py`).
+def non_lazy_backward() -> contextlib.AbstractContextManager:
+    """AOTAutograd compiles each backward right after its forward, not at the first backward.
 
-    When one Dynamo graph is compiled as several AOT pieces, AOTAutograd looks up each piece's
-    forward metadata in `TracingContext.ddp_optimizer_ctx` (a `DDPOptimizerContext`,
-    `_dynamo/backends/distributed.py`) when it compiles that piece's backward lazily, and
-    `TracingContext.fakify_first_call` makes a compiled piece return fakes (with its real output
-    strides) from its first call, so the next piece is compiled against what it will really get.
+    Mirrors `torch._functorch.config.force_non_lazy_backward_lowering` (`_functorch/config.py`,
+    read in `_aot_autograd/graph_compile.py`). With it, a graph's cache entry is complete (and
+    saved) as soon as its forward is compiled, and a compiled graph needs no per-graph forward
+    metadata from the tracing context later: one compiled graph can serve several identical
+    pieces, and a rank can load what another rank compiled before any backward runs.
     """
+    return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
 
-    def __init__(self) -> None:
-        from torch._dynamo.backends.distributed import DDPOptimizerContext
 
-        self._tracing = torch._guards.TracingContext.try_get()
-        if self._tracing is not None:
-            self._tracing.ddp_optimizer_ctx = DDPOptimizerContext()
+_AOT_CACHE_LOGGER = "torch._functorch._aot_autograd.autograd_cache"
+"""Where AOTAutogradCache says why it bypassed (`_aot_autograd/autograd_cache.py`, `log`)."""
+
+
+@dataclasses.dataclass
+class CacheOutcome:
+    """What the compile caches did during one compile (see `watch_caches`)."""
+
+    aot: str = ""
+    """AOTAutogradCache: "hit", "miss", "bypass", or "" when it was not consulted (aot_eager)."""
+    fx_hits: int = 0
+    """Inductor FX graph cache hits (a forward and a backward loaded from an AOT entry count too)."""
+    fx_misses: int = 0
+    """Inductor FX graph cache misses (graphs lowered and generated)."""
+    fx_bypasses: int = 0
+    """Graphs Inductor could not cache."""
+    reason: str | None = None
+    """Why AOTAutogradCache bypassed, in its own words."""
 
     @property
-    def active(self) -> bool:
-        """False outside Dynamo (a graph compiled directly): nothing to record."""
-        return self._tracing is not None
+    def traced(self) -> bool:
+        """Whether AOTAutograd traced the graph (everything but an AOT cache hit)."""
+        return self.aot != "hit"
 
-    @contextlib.contextmanager
-    def fakify_first_call(self) -> Iterator[None]:
-        if self._tracing is None:
-            yield
-            return
-        self._tracing.fakify_first_call = True
-        try:
-            yield
-        finally:
-            self._tracing.fakify_first_call = False
+    def describe(self) -> str:
+        """`aot cache hit`, `aot cache miss, fx cache 1 hit 1 miss`, `aot cache bypass (reason)`."""
+        if not self.aot and not (self.fx_hits or self.fx_misses or self.fx_bypasses):
+            return "no disk cache"
+        parts = [f"aot cache {self.aot or 'not used'}" + (f" ({self.reason})" if self.reason else "")]
+        if self.aot != "hit":
+            fx = [f"{n} {word}" for n, word in ((self.fx_hits, "hit"), (self.fx_misses, "miss"), (self.fx_bypasses, "bypass")) if n]
+            if fx:
+                parts.append("fx cache " + " ".join(fx))
+        return ", ".join(parts)
 
-    def push_piece(self) -> None:
-        """Record the forward metadata of the piece AOTAutograd just compiled (in piece order)."""
-        ctx = self._tracing.ddp_optimizer_ctx
-        ctx.curr_bucket += 1
-        ctx.metadata_per_bucket.append(self._tracing.fw_metadata)
+
+class _BypassReasons(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Bypassing autograd cache due to:"):
+            self.reasons.append(message.split(":", 1)[1].strip().splitlines()[0][:300])
+
+
+@contextlib.contextmanager
+def watch_caches() -> Iterator[CacheOutcome]:
+    """The cache outcome of the compile inside the block, from Dynamo's counters.
+
+    Mirrors `torch._dynamo.utils.counters["aot_autograd"]` (`autograd_cache_hit/miss/bypass`,
+    `_aot_autograd/autograd_cache.py`) and `counters["inductor"]` (`fxgraph_cache_*`,
+    `_inductor/codecache.py`). The bypass reason is read off AOTAutogradCache's INFO log line; when
+    that logger is not already enabled for INFO, its records go only to us meanwhile.
+    """
+    from torch._dynamo.utils import counters
+
+    aot_before = dict(counters["aot_autograd"])
+    fx_before = dict(counters["inductor"])
+    logger = logging.getLogger(_AOT_CACHE_LOGGER)
+    handler = _BypassReasons()
+    saved = (logger.level, logger.propagate)
+    if not logger.isEnabledFor(logging.INFO):
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    logger.addHandler(handler)
+    outcome = CacheOutcome()
+    try:
+        yield outcome
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+        def delta(table: Any, before: dict, key: str) -> int:
+            return table.get(key, 0) - before.get(key, 0)
+
+        aot = counters["aot_autograd"]
+        for state in ("hit", "miss", "bypass"):  # one AOT compile per watch: at most one of these
+            if delta(aot, aot_before, f"autograd_cache_{state}"):
+                outcome.aot = state
+        fx = counters["inductor"]
+        outcome.fx_hits = delta(fx, fx_before, "fxgraph_cache_hit")
+        outcome.fx_misses = delta(fx, fx_before, "fxgraph_cache_miss")
+        outcome.fx_bypasses = delta(fx, fx_before, "fxgraph_cache_bypass")
+        if outcome.aot == "bypass" and handler.reasons:
+            outcome.reason = handler.reasons[-1]
+
+
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:
+    """How many step pre/post hooks (global or on `optimizer`) `optimizer.step()` would call.
+
+    Mirrors `Optimizer._optimizer_step_pre_hooks`/`_optimizer_step_post_hooks` and the module-level
+    `_global_optimizer_pre_hooks`/`_global_optimizer_post_hooks` (`torch/optim/optimizer.py`),
+    which `Optimizer.profile_hook_step` runs around every `step()`; there is no public count.
+    """
+    from torch.optim import optimizer as optim_module
+
+    return (len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
+            + len(optim_module._global_optimizer_pre_hooks) + len(optim_module._global_optimizer_post_hooks))
 
 
 def aot_autograd_backend(**kwargs: Any) -> Callable[..., Any]:

@@ -51,6 +51,7 @@ def compile(
     dynamic: bool | None = None,
     mode: str | None = None,
     options: dict | None = None,
+    reuse_pieces: bool = True,
 ) -> "CompiledModel":
     """Compile `model` (a DDP model or a plain module); see docs/design.md for the contract."""
     if not isinstance(model, torch.nn.Module):
@@ -62,7 +63,7 @@ def compile(
         raise TypeError("model is already compiled by compile_core.compile; pass the original model")
     config = CompileConfig(
         backend=backend, ddp=ddp, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-        fullgraph=fullgraph, dynamic=dynamic, mode=mode, options=options,
+        fullgraph=fullgraph, dynamic=dynamic, mode=mode, options=options, reuse_pieces=reuse_pieces,
     )
     return CompiledModel(model, config)
 
@@ -122,8 +123,9 @@ class CompiledModel:
             splitter_config = SplitterConfig(
                 bucket_cap_bytes=cap, first_bucket_cap_bytes=first, param_names=names,
                 ignore=torch_ddp.ignored_names(self._ddp) if self._ddp is not None else frozenset(), split=split,
+                align_to_repeats=config.reuse_pieces,
             )
-            backend = DDPSplitter(splitter_config, self._pieces, self._on_graph)
+            backend = DDPSplitter(splitter_config, self._pieces, self._on_graph, compile_pieces=self._pieces.compile_many)
         self._compiled = self._events.compile(
             _entry_for(inner, self._in_graph), backend, fullgraph=config.fullgraph, dynamic=config.dynamic,
             on_compiled=self._graph_compiled,
@@ -191,7 +193,7 @@ class CompiledModel:
     def _torch_piece(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         # PyTorch's DDPOptimizer calls this once per piece it made.
         name = f"torch_piece_{len(self._log.graphs)}"
-        compiled, _ = self._pieces(gm, list(example_inputs), name)
+        compiled, _ = self._pieces(gm, list(example_inputs), name, reuse=False)
         with self._log.lock:
             self._log.graphs.append(GraphEntry(name=name, pieces=1, buckets=[], seconds=0.0, step=self._calls))
         return compiled
@@ -211,10 +213,14 @@ class CompiledModel:
         return compiled
 
     def _on_graph(self, graph: SplitGraph) -> None:
-        buckets = [b.to_dict() for b in graph.plan.buckets]
+        plan = graph.plan
+        buckets = [b.to_dict() for b in plan.buckets]
+        caps = {"requested_bytes": plan.bucket_cap_bytes, "requested_first_bytes": plan.first_bucket_cap_bytes,
+                "planned_bytes": [b.nbytes for b in plan.buckets], "aligned_to": list(plan.aligned_to)}
         with self._log.lock:
             self._log.graphs.append(
-                GraphEntry(name=graph.name, pieces=graph.pieces, buckets=buckets, seconds=0.0, step=self._calls)
+                GraphEntry(name=graph.name, pieces=graph.pieces, buckets=buckets, seconds=0.0, step=self._calls,
+                           bucket_caps=caps, restrided=graph.restrided if graph.pieces > 1 else None)
             )
         self._alignment.record(self._calls, graph)
 

@@ -40,6 +40,9 @@ class CompileConfig:
     """A torch.compile mode name (Inductor only)."""
     options: Mapping[str, Any] | None = None
     """Inductor config overrides (Inductor only)."""
+    reuse_pieces: bool = True
+    """Keep bucket cuts in step with repeated blocks and compile identical pieces once
+    (compile_core/compile_once.py); False: cut by bytes alone and compile every piece."""
 
     def __post_init__(self) -> None:
         if isinstance(self.backend, str):
@@ -56,6 +59,8 @@ class CompileConfig:
         caps_from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, default_cap_bytes=_UNKNOWN_CAP)
         if not isinstance(self.fullgraph, bool):
             raise TypeError(f"fullgraph={self.fullgraph!r} must be True or False")
+        if not isinstance(self.reuse_pieces, bool):
+            raise TypeError(f"reuse_pieces={self.reuse_pieces!r} must be True or False")
         if self.dynamic not in (None, True, False):
             raise TypeError(f"dynamic={self.dynamic!r} must be True, False or None")
         if (self.mode is not None or self.options) and self.backend != "inductor":

@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from aot.torch_dynamo import break_counters, compile_with_guard_hook, graph_break_of
+from compile_core.compile_once import say
 from launch.heartbeat import beat
 
 Backend = Callable[..., Callable[..., Any]]
@@ -26,9 +27,12 @@ Backend = Callable[..., Callable[..., Any]]
 class CompileEvents:
     """What was compiled for one callable; filled by the backend wrapper and Dynamo's guard hook."""
 
-    def __init__(self, *, breaks_from: str = "graphs", expected_guard: str | None = None) -> None:
+    def __init__(self, *, breaks_from: str = "graphs", expected_guard: str | None = None, name: str = "model") -> None:
         if breaks_from not in ("graphs", "counters"):
             raise ValueError(f"breaks_from={breaks_from!r}: use 'graphs' or 'counters'")
+        self.name = name
+        """What is compiled (`model`, `optimizer update`), for the progress summary line."""
+        self._calls = 0
         self.breaks_from = breaks_from
         """'graphs': a break is read off each graph Dynamo hands us (with file:line); 'counters': only
         through `count_breaks()` (also sees breaks that produce no graph, e.g. in optimizer.step)."""
@@ -102,16 +106,21 @@ class CompileEvents:
         if not outer:
             self._graphs_at_call_start = self.graphs
         start = time.perf_counter()
+        if not outer:
+            self._calls += 1
         try:
             yield
         finally:
             if not outer:
-                compiled = self.graphs > self._graphs_at_call_start
+                new_graphs = self.graphs - self._graphs_at_call_start
                 self._graphs_at_call_start = None
-                if compiled:
+                if new_graphs:
+                    seconds = time.perf_counter() - start
                     with self.lock:
-                        self.compile_seconds += time.perf_counter() - start
+                        self.compile_seconds += seconds
                     self._fold_guard_failures()
+                    say("%s: call %d compiled %d graph(s) in %.2f s (first-run time included)",
+                        self.name, self._calls, new_graphs, seconds)
                 else:
                     with self.lock:
                         self._guard_failures.clear()

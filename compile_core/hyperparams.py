@@ -9,8 +9,9 @@ change), so checkpoints stay in the user's format and load into a plain eager op
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -83,6 +84,21 @@ class HyperparamPins:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+    @contextlib.contextmanager
+    def user_values(self) -> Iterator[None]:
+        """The user's floats and flags in the groups for the block (an eager `optimizer.step()`:
+        torch refuses a tensor lr with foreach unless capturable, and capturable on the CPU unless compiling)."""
+        for group, pins in zip(self._optimizer.param_groups, self._groups):
+            for key in pins.owned:
+                group[key] = to_float(group[key])
+            group.update(pins.restore)
+        try:
+            yield
+        finally:
+            for group, pins in zip(self._optimizer.param_groups, self._groups):
+                group.update(pins.owned)
+                group.update(dict.fromkeys(pins.restore, True))
 
     def _user_format(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         # state_dict() builds new group dicts, so editing them leaves the live groups alone.

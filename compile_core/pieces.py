@@ -1,22 +1,25 @@
-"""Compile one graph (or one piece of a split graph) along the fallback chain.
+"""Compile graphs (or the pieces of a split graph) along the fallback chain, each distinct one once.
 
 A piece that the requested backend cannot compile is not fatal: it falls back along
 `CompileConfig.fallback_chain()` (inductor -> aot_eager -> eager), and every fallback is recorded
 with the error that caused it. Dynamo's own restart signal is passed through untouched: it means
-"trace again", not "this compiler failed".
+"trace again", not "this compiler failed". Which pieces are compiled at all, and by which rank, is
+compile_core/compile_once.py's business (Note [Compile once]).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
 from aot import GraphPair, aot_compile, nop_compiler
-from aot.torch_dynamo import RestartAnalysis
+from aot.torch_dynamo import CacheOutcome, RestartAnalysis, non_lazy_backward, watch_caches
+from compile_core.compile_once import CompileOnce, Compiled, Job
 from compile_core.config import CompileConfig
 from compile_core.report import CompileLog
 from inductor import inductor_compile
+from inductor.torch_inductor import disk_caches_enabled
 
 log = logging.getLogger(__name__)
 
@@ -27,22 +30,43 @@ class PieceCompiler:
     def __init__(self, config: CompileConfig, compile_log: CompileLog) -> None:
         self.config = config
         self.log = compile_log
+        named = isinstance(config.backend, str) and config.backend != "eager"
+        self.once = CompileOnce(
+            reuse=named and config.reuse_pieces,
+            claims=config.backend == "inductor" and disk_caches_enabled(),
+            records=compile_log.pieces, lock=compile_log.lock,
+        )
 
     def __call__(
-        self, gm: fx.GraphModule, example_inputs: list, name: str, *, partitioner: Any = None
+        self, gm: fx.GraphModule, example_inputs: list, name: str, *, partitioner: Any = None, reuse: bool = True
     ) -> tuple[Callable[..., Any], bool]:
-        """`partitioner` (callable with a `uuid()`) replaces AOTAutograd's min-cut partition step."""
+        """`partitioner` (callable with a `uuid()`) replaces AOTAutograd's min-cut partition step.
+        `reuse=False`: never hand back a callable compiled for another graph (PyTorch's DDPOptimizer
+        calls each piece's callable once on fake inputs, expecting a fresh compile)."""
+        return self.compile_many([(gm, list(example_inputs), name)], partitioner=partitioner, reuse=reuse)[0]
+
+    def compile_many(
+        self, items: Sequence[tuple[fx.GraphModule, list, str]], *, partitioner: Any = None, reuse: bool = True
+    ) -> list[tuple[Callable[..., Any], bool]]:
+        """Compile graphs that run together (a split graph's pieces, in forward order)."""
+        jobs = [Job(gm=gm, inputs=list(inputs), name=name) for gm, inputs, name in items]
+        extra = (self.config.backend_name, sorted(self.config.inductor_settings().config_patches().items()),
+                 None if partitioner is None else partitioner.uuid(), self.config.dynamic)
+        results = self.once.compile_all(jobs, extra, lambda job: self._compile_chain(job, partitioner), reuse=reuse)
+        return [(r.fn, r.used_aot) for r in results]
+
+    def _compile_chain(self, job: Job, partitioner: Any) -> Compiled:
         chain = self.config.fallback_chain()
         first_error: tuple[str, BaseException] | None = None
         for backend in chain:
             try:
-                compiled, used_aot = self._compile_with(backend, gm, example_inputs, name, partitioner)
+                compiled = self._compile_with(backend, job.gm, job.inputs, job.name, partitioner)
             except RestartAnalysis:
                 raise
             except Exception as exc:  # noqa: BLE001 - any compiler failure moves to the next backend
                 if backend == chain[-1]:
                     raise
-                log.warning("compile_core: %s failed to compile %s: %r; falling back", backend, name, exc,
+                log.warning("compile_core: %s failed to compile %s: %r; falling back", backend, job.name, exc,
                             exc_info=log.isEnabledFor(logging.DEBUG))
                 if first_error is None:
                     first_error = (backend, exc)
@@ -51,30 +75,34 @@ class PieceCompiler:
                 failed, exc = first_error
                 with self.log.lock:
                     self.log.fallbacks.append(
-                        {"piece": name, "from": failed, "to": backend, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                        {"piece": job.name, "from": failed, "to": backend, "error": f"{type(exc).__name__}: {exc}"[:500]}
                     )
-            return compiled, used_aot
+            return compiled
         raise AssertionError("unreachable: the last backend either returns or raises")
 
     def _compile_with(
         self, backend: str, gm: fx.GraphModule, example_inputs: list, name: str, partitioner: Any
-    ) -> tuple[Callable[..., Any], bool]:
+    ) -> Compiled:
         if backend == "eager":
-            return gm.forward, False
+            return Compiled(fn=gm.forward, used_aot=False, backend=backend, cache=CacheOutcome())
         if backend == "custom":
-            return self.config.backend(gm, example_inputs), False
+            return Compiled(fn=self.config.backend(gm, example_inputs), used_aot=False, backend=backend,
+                            cache=CacheOutcome())
         pair = GraphPair(name=name)
-        if backend == "aot_eager":
-            compiled = aot_compile(
-                gm, example_inputs, fw_compiler=nop_compiler, bw_compiler=nop_compiler, pair=pair,
-                partition_fn=partitioner,
-            )
-        else:
-            compiled = inductor_compile(
-                gm, example_inputs, settings=self.config.inductor_settings(),
-                on_graph=lambda graph, is_backward: pair.record(graph, backward=is_backward),
-                partitioner=partitioner,
-            )
+        # The backward is compiled with the forward: the cache entry is complete at once, and one
+        # compiled piece can serve several identical pieces (Note [Compile once]).
+        with non_lazy_backward(), watch_caches() as cache:
+            if backend == "aot_eager":
+                compiled = aot_compile(
+                    gm, example_inputs, fw_compiler=nop_compiler, bw_compiler=nop_compiler, pair=pair,
+                    partition_fn=partitioner,
+                )
+            else:
+                compiled = inductor_compile(
+                    gm, example_inputs, settings=self.config.inductor_settings(),
+                    on_graph=lambda graph, is_backward: pair.record(graph, backward=is_backward),
+                    partitioner=partitioner,
+                )
         with self.log.lock:
             self.log.pairs.append(pair)
-        return compiled, True
+        return Compiled(fn=compiled, used_aot=True, backend=backend, cache=cache, pair=pair)

@@ -26,6 +26,11 @@ class GraphEntry:
     """Which call of the compiled model compiled it (1 = first)."""
     variant: str | None = None
     """ddp='in_graph' only: local (no collective), reduce, or reduce_acc (with accumulated gradients)."""
+    bucket_caps: dict | None = None
+    """Requested caps next to the planned bucket bytes: `requested_bytes`, `requested_first_bytes`,
+    `planned_bytes` (backward order), `aligned_to` (repeated blocks the cuts kept to)."""
+    restrided: list[int] | None = None
+    """Per piece, outputs copied at run time into the layout the next piece was compiled for."""
 
 
 class CompileLog:
@@ -41,6 +46,8 @@ class CompileLog:
         self.fallbacks: list[dict] = []
         self.pairs: list[GraphPair] = []
         self.notes: list[str] = []
+        self.pieces: list = []
+        """`PieceRecord` per compiled or reused graph/piece (compile_core/compile_once.py)."""
 
     def snapshot(
         self, *, mode: str, backend: str, events: CompileEvents, alignment: dict, observed_alignment: dict | None,
@@ -55,6 +62,7 @@ class CompileLog:
                 recompiles=[dict(x) for x in events.recompiles],
                 fallbacks=[dict(x) for x in self.fallbacks],
                 pairs=list(self.pairs),
+                piece_compiles=[r.to_dict() for r in self.pieces],
                 notes=list(self.notes) + list(notes),
                 alignment=dict(alignment),
                 observed_alignment=observed_alignment,
@@ -91,6 +99,23 @@ class CompileReport:
     rank_differences: list[dict] = dataclasses.field(default_factory=list)
     """`{"rank", "difference"}` per other rank whose compile (graphs, pieces, fallbacks, recompiles,
     breaks) differs from this rank's, as far as it has told so far."""
+    piece_compiles: list[dict] = dataclasses.field(default_factory=list)
+    """One per graph or piece: `name`, `key`, `cache` (reused, or the cache outcome), `seconds`,
+    `backend`, `reused_from`, and for a piece another rank held: `waited_s`, `waited_for`, `leader`
+    (compile_core/compile_once.py)."""
+
+    def compile_once(self) -> dict[str, Any]:
+        """Totals over `piece_compiles`: pieces, compiled here, loaded from the cache, reused."""
+        rows = self.piece_compiles
+        reused = sum(1 for r in rows if r["reused_from"] is not None)
+        hits = sum(1 for r in rows if r["cache"].startswith("aot cache hit"))
+        return {
+            "pieces": len(rows),
+            "reused": reused,
+            "cache_hits": hits,
+            "compiled": len(rows) - reused - hits,
+            "waited_s": round(sum(r.get("waited_s", 0.0) for r in rows), 3),
+        }
 
     @property
     def pieces(self) -> int:
@@ -103,7 +128,9 @@ class CompileReport:
             "graphs": [
                 {"name": g.name, "pieces": g.pieces, "buckets": [dict(b) for b in g.buckets],
                  "compile_seconds": round(g.seconds, 4), "step": g.step,
-                 **({"variant": g.variant} if g.variant is not None else {})}
+                 **({"variant": g.variant} if g.variant is not None else {}),
+                 **({"bucket_caps": dict(g.bucket_caps)} if g.bucket_caps is not None else {}),
+                 **({"restrided": list(g.restrided)} if g.restrided is not None else {})}
                 for g in self.graphs
             ],
             "graph_breaks": [dict(x) for x in self.graph_breaks],
@@ -115,6 +142,8 @@ class CompileReport:
             "notes": list(self.notes),
             "rank_differences": [dict(d) for d in self.rank_differences],
             "compile_seconds": round(self.compile_seconds, 4),
+            "piece_compiles": [dict(r) for r in self.piece_compiles],
+            "compile_once": self.compile_once(),
         }
 
     def __str__(self) -> str:
@@ -125,6 +154,13 @@ class CompileReport:
         for g in self.graphs:
             variant = f", variant {g.variant}" if g.variant is not None else ""
             out.append(f"  {g.name} (step {g.step}): {g.pieces} piece(s){variant}, {g.seconds:.2f}s")
+            if g.bucket_caps is not None and g.bucket_caps["planned_bytes"]:
+                caps, planned = g.bucket_caps, g.bucket_caps["planned_bytes"]
+                where = f" at {', '.join(c + '.<i>' if c else '<i>' for c in caps['aligned_to'])} boundaries" if caps["aligned_to"] else ""
+                out.append(
+                    f"    buckets: requested {caps['requested_bytes'] / MiB:.3g} MiB (first {caps['requested_first_bytes'] / MiB:.3g}), "
+                    f"planned {min(planned) / MiB:.3g}-{max(planned) / MiB:.3g} MiB{where}"
+                )
             for i, b in enumerate(g.buckets):
                 after = f"  [all-reduce after {b['after']}]" if "after" in b else ""
                 out.append(f"    bucket {i:>2}  {b['bytes'] / MiB:9.3f} MiB  {_short_names(b['params'])}{after}")
@@ -142,6 +178,16 @@ class CompileReport:
         for title, rows, fmt in sections:
             out.append(f"  {title}: {len(rows) if rows else 'none'}")
             out.extend(f"    - {fmt(r)}" for r in rows)
+        if self.piece_compiles:
+            totals = self.compile_once()
+            out.append(
+                f"  piece compiles: {totals['pieces']} ({totals['compiled']} compiled, {totals['cache_hits']} from the "
+                f"cache, {totals['reused']} reused)"
+            )
+            for r in self.piece_compiles:
+                how = f"reused from {r['reused_from']}" if r["reused_from"] else r["cache"]
+                waited = f", waited {r['waited_s']:.1f}s for {r['waited_for']} ({r['leader']})" if r.get("waited_for") else ""
+                out.append(f"    - {r['name']}: {how}, {r['seconds']:.2f}s{waited}")
         if self.pairs:
             out.append(f"  forward/backward pairs: {len(self.pairs)}")
             out.extend(f"    - {p.describe()}" for p in self.pairs)

@@ -62,7 +62,8 @@ from compile_core.hyperparams import HyperparamPins, last_lr_as_floats
 from compile_core.in_backward import InBackwardController
 from compile_core.step_config import TrainStepConfig
 from compile_core.step_report import OptimizerReport, TrainStepReport
-from compile_core.update import CompiledUpdate
+from compile_core.update import ChunkedUpdate, CompiledUpdate, chunking_blocker
+from inductor.torch_inductor import disk_caches_enabled
 from launch.heartbeat import beat
 
 logger = logging.getLogger(__name__)
@@ -91,10 +92,11 @@ class TrainStep:
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device_type = _device_type(model)
-        self._opt_events = CompileEvents(breaks_from="counters")
+        self._opt_events = CompileEvents(breaks_from="counters", name="optimizer update")
         self._opt_fallback: str | None = None  # why the update runs eagerly, once it does
         self._pins = HyperparamPins(optimizer)
-        self._update: CompiledUpdate | None = None
+        self._update: CompiledUpdate | ChunkedUpdate | None = None
+        self._update_blocker: str | None = None  # why the update is not compiled per block
         self._micro_batches = 0
         self._updates = 0
         self.applied = False
@@ -160,7 +162,7 @@ class TrainStep:
             self.lr_scheduler.step()
             last_lr_as_floats(self.lr_scheduler)
         self._updates = index
-        logger.info(
+        logger.debug(  # every step: DEBUG, so that INFO stays for compile progress
             "train_step: update %d applied after %d micro-batch(es) (optimizer %s, %s)",
             index, self.config.accum_steps, type(self.optimizer).__name__, self._update_mode(),
         )
@@ -184,7 +186,10 @@ class TrainStep:
                 self._fall_back(_describe(err))
                 norm = self._eager_update()
             else:
-                if index == 1:
+                failure = getattr(self._update, "failure", None)
+                if failure is not None:  # update 1 was applied; only its compile failed
+                    self._fall_back(_describe(failure))
+                elif index == 1:
                     self._check_captured()
         else:
             norm = self._eager_update()
@@ -202,8 +207,23 @@ class TrainStep:
 
         return update
 
-    def _build_update(self) -> CompiledUpdate:
+    def _build_update(self) -> CompiledUpdate | ChunkedUpdate:
         self._pins.install()  # idempotent
+        blocker = chunking_blocker(self.optimizer)
+        if self.config.compile_kwargs.get("reuse_pieces", True) is False:
+            blocker = "reuse_pieces=False"
+        if blocker is None:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            pins, optimizer = self._pins, self.optimizer
+
+            def eager_step() -> None:
+                with pins.user_values():
+                    optimizer.step()
+
+            return ChunkedUpdate(self.optimizer, names, self.config.backend, self._opt_events,
+                                 clip_max_norm=self.config.clip_grad_norm, eager_step=eager_step,
+                                 claims=self.config.backend == "inductor" and disk_caches_enabled())
+        self._update_blocker = blocker
         return CompiledUpdate(self._update_fn(), self.config.backend, self._opt_events)
 
     def _eager_update(self) -> torch.Tensor | None:
@@ -240,6 +260,9 @@ class TrainStep:
                 compile_seconds=events.compile_seconds,
                 fallback_error=self._opt_fallback,
                 graph_breaks=[dict(b) for b in events.graph_breaks],
+                per_block=isinstance(self._update, ChunkedUpdate),
+                whole_step_reason=self._update_blocker,
+                graph_compiles=[dict(r) for r in getattr(self._update, "records", [])],
             )
         return TrainStepReport(
             model=model_report,

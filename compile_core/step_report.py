@@ -23,6 +23,12 @@ class OptimizerReport:
     """Why the update runs eagerly, or None."""
     graph_breaks: list[dict[str, str]] = dataclasses.field(default_factory=list)
     """Graph breaks Dynamo reported while capturing the first update ({"reason"})."""
+    per_block: bool = False
+    """True: compiled per repeated block, one graph per distinct block (compile_core/update.py)."""
+    whole_step_reason: str | None = None
+    """Why the update is compiled as one `optimizer.step()` instead (None when per block)."""
+    graph_compiles: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """One per compiled or reused update graph: `name`, `cache`, `seconds`, `reused_from`."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -33,6 +39,9 @@ class OptimizerReport:
             "compile_seconds": round(self.compile_seconds, 4),
             "fallback_error": self.fallback_error,
             "graph_breaks": [dict(b) for b in self.graph_breaks],
+            "per_block": self.per_block,
+            "whole_step_reason": self.whole_step_reason,
+            "graph_compiles": [{**r, "seconds": round(r["seconds"], 4)} for r in self.graph_compiles],
         }
 
 
@@ -105,7 +114,15 @@ class TrainStepReport:
         lines = [f"train_step: backend={self.backend} accum_steps={self.accum_steps} "
                  f"micro_batches={self.micro_batches} updates={self.updates}"]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.append(f"  optimizer {opt['optimizer']}: {status}")
+        how = "per block" if opt["per_block"] else "whole step" + (
+            f" ({opt['whole_step_reason']})" if opt["whole_step_reason"] else "")
+        lines.append(f"  optimizer {opt['optimizer']}: {status}, {how}")
+        for r in opt["graph_compiles"]:
+            if r["reused_from"] is None:
+                lines.append(f"    - {r['name']}: {r['cache']}, {r['seconds']:.2f}s")
+        reused = sum(1 for r in opt["graph_compiles"] if r["reused_from"] is not None)
+        if reused:
+            lines.append(f"    - {reused} more chunk(s) reused those graphs")
         iob = self.optimizer_in_backward
         if iob.get("requested"):
             if iob.get("active"):

@@ -1,20 +1,52 @@
-"""The optimizer update (`clip_grad_norm_` + `optimizer.step()`) as one Dynamo-compiled function.
+"""The compiled optimizer update: per repeated block (`ChunkedUpdate`), or as one function (`CompiledUpdate`).
 
-Dynamo does not fail on what it cannot trace: it breaks the graph or runs a whole frame eagerly,
-silently. So "compiled" is checked, not assumed: the graphs of the first update record which
+`CompiledUpdate`: `clip_grad_norm_` + `optimizer.step()` as one Dynamo-compiled function, for any
+optimizer. Dynamo does not fail on what it cannot trace: it breaks the graph or runs a whole frame
+eagerly, silently. So "compiled" is checked, not assumed: the graphs of the first update record which
 tensors they read, and `uncaptured()` says which parameters were updated outside any graph. Graph
 breaks of the first update come from Dynamo's counters (torch's optimizers break on purpose around
 the update, and a scheduler's wrapper around `optimizer.step` is a skipped frame, neither of which
 hands a graph to the backend). Compiles, recompiles and their reasons go to a `CompileEvents`.
+
+Note [Optimizer update per block]
+---------------------------------
+Background: torch's CPU optimizers loop over the parameters in Python, so Dynamo traces one copy of
+the update per parameter: for a 12-block transformer that is ~200 copies to trace, lower and
+generate, every run (Dynamo's tracing is never cached), and it dominated a compiled train step's first step.
+
+Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW, as `compile_core/in_backward.py`):
+  * the parameters of each param group are cut into chunks: one per repeated block (from the
+    parameter names, ddp/bucketing/repeats.py) and one for the rest;
+  * one function calls torch's own functional update (`torch.optim.sgd.sgd`, `adam.adam`) on a chunk,
+    with the group's options as arguments (floats such as lr, momentum or weight decay are graph
+    inputs to Dynamo, so schedulers do not recompile; the pinned lr/betas tensors stay tensors);
+  * it is compiled once per group and chunk signature (shapes, strides, dtypes of the parameters and
+    their state), and every chunk of that signature reuses it: 12 identical blocks, one compile;
+  * update 1 runs `optimizer.step()` eagerly (it creates the optimizer state exactly as torch does),
+    then each distinct chunk is compiled by running it once on copies of one chunk's tensors, so the
+    compile still happens in the first step; from update 2 each chunk runs compiled, under no_grad.
+  * clipping (`clip_grad_norm_` over all gradients) is its own compiled function, called first.
+The optimizer state tensors are the optimizer's own, updated in place, so `optimizer.state_dict()`
+is what an eager run gives. Optimizers with step hooks, other optimizer classes, differentiable or
+sparse groups keep `CompiledUpdate`.
 """
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 from typing import Any, Callable
 
 import torch
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
-from aot.torch_dynamo import lookup_backend
+from aot.torch_dynamo import DynamoError, lookup_backend, optimizer_step_hooks, watch_caches
+from compile_core.compile_once import CompileOnce, Compiled, Job, rank_offset, say
 from compile_core.events import CompileEvents
+from compile_core.in_backward import support
+from ddp.bucketing import ParamInfo
+from ddp.bucketing.repeats import repeated_units
 
 
 class CompiledUpdate:
@@ -24,10 +56,18 @@ class CompiledUpdate:
         self.events = events
         self._calls = 0
         self._touched: set[int] = set()  # data_ptr of every tensor a graph of the first update reads
+        self.records: list[dict[str, Any]] = []
+        """One per graph compiled: `name`, `cache` (the cache outcome), `seconds`, `reused_from` (None)."""
         inner = lookup_backend(backend) if isinstance(backend, str) else backend
 
         def touch_recording(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            compiled = inner(gm, example_inputs)
+            start = time.perf_counter()
+            with watch_caches() as cache:
+                compiled = inner(gm, example_inputs)
+            record = {"name": f"update.graph_{len(self.records)}", "cache": cache.describe(),
+                      "seconds": time.perf_counter() - start, "reused_from": None}
+            self.records.append(record)
+            say("%s compiled (%s) %.2f s", record["name"], record["cache"], record["seconds"])
             if self._calls == 0:
                 self._touched.update(_graph_tensor_ptrs(gm, example_inputs))
             return compiled
@@ -61,3 +101,227 @@ def _graph_tensor_ptrs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> s
             if isinstance(value, torch.Tensor):
                 ptrs.add(value.data_ptr())
     return ptrs
+
+
+def chunking_blocker(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why `ChunkedUpdate` cannot stand in for `optimizer.step()` (None when it can)."""
+    reason = support(optimizer)
+    if reason is not None:
+        return reason
+    hooks = optimizer_step_hooks(optimizer)
+    if hooks:
+        return f"the optimizer has {hooks} step hook(s), which only optimizer.step() calls"
+    return None
+
+
+@dataclasses.dataclass
+class _Chunk:
+    group: int
+    """Index of its param group."""
+    name: str
+    """`group0.blocks.3` or `group0.rest`."""
+    params: list[torch.nn.Parameter]
+    signature: tuple = ()
+
+
+class ChunkedUpdate:
+    """The optimizer update per block (see Note [Optimizer update per block]); `compiled(update_index)`."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, names: dict[int, str], backend: str | Callable[..., Any],
+        events: CompileEvents, *, clip_max_norm: float | None = None,
+        eager_step: Callable[[], Any] | None = None, claims: bool = False,
+    ) -> None:
+        self.optimizer = optimizer
+        self._eager_step = eager_step or optimizer.step
+        self.events = events
+        self.clip_max_norm = clip_max_norm
+        self.records: list[dict[str, Any]] = []
+        """One per chunk: `name`, `cache` (reused, or the cache outcome), `seconds`, `reused_from`."""
+        self._backend = lookup_backend(backend) if isinstance(backend, str) else backend
+        self._backend_name = backend if isinstance(backend, str) else "custom"
+        self._chunks = _plan_chunks(optimizer, names)
+        self._params = [p for c in self._chunks for p in c.params]
+        self._fns: dict[tuple, Callable[..., Any]] = {}
+        self._clip: Callable[[], Any] | None = None
+        self._calls = 0
+        # Claims only (no reuse here: Dynamo's cache per chunk signature does that): with Inductor,
+        # the ranks of a node compile different chunks and load the others' (Note [Compile once]).
+        self._once = CompileOnce(reuse=False, claims=claims, records=[], lock=threading.Lock()) if claims else None
+        self.failure: BaseException | None = None
+        """Why the chunks could not be compiled (update 1 was applied eagerly; use eager from now on)."""
+
+    def __call__(self, update_index: int) -> torch.Tensor | None:
+        self.events.label = {"update": update_index}
+        if self._calls == 0:
+            norm = self._eager(update_index)  # creates the optimizer state, as torch does
+            try:
+                with self.events.call(), self.events.count_breaks():
+                    self._prepare()
+            except DynamoError as err:  # nothing compiled ran on real tensors: update 1 stands
+                self.failure = err
+        else:
+            with self.events.call():
+                norm = self._clip() if self._clip is not None else None
+                with torch.no_grad():
+                    for chunk in self._chunks:
+                        self._run(chunk, self._fns[(chunk.group, chunk.signature)])
+        self._calls += 1
+        return norm
+
+    def uncaptured(self, params: list[torch.Tensor]) -> list[int]:
+        """Indices of `params` that no compiled graph updates (all of them if nothing compiled)."""
+        return [] if self.events.graphs else list(range(len(params)))
+
+    # -- update 1 ----------------------------------------------------------------------------------
+
+    def _eager(self, update_index: int) -> torch.Tensor | None:
+        norm = None
+        if self.clip_max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self._params, self.clip_max_norm)
+        self._eager_step()
+        return norm
+
+    def _prepare(self) -> None:
+        """Compile each distinct chunk (and the clip) by running it once on copies of its tensors."""
+        start = time.perf_counter()
+        first: dict[tuple, str] = {}
+        distinct = []
+        for chunk in self._chunks:
+            chunk.signature = self._signature(chunk)
+            key = (chunk.group, chunk.signature)
+            if key in first:
+                self.records.append({"name": f"update.{chunk.name}", "cache": "reused", "seconds": 0.0,
+                                     "reused_from": f"update.{first[key]}"})
+                continue
+            first[key] = chunk.name
+            distinct.append(chunk)
+        # Each rank starts with another chunk, so that with claims they compile different ones at once.
+        offset = rank_offset(len(distinct))
+        for chunk in distinct[offset:] + distinct[:offset]:
+            key = (chunk.group, chunk.signature)
+            fn = self.events.compile(_UPDATES[type(self.optimizer)], self._recording(chunk.name),
+                                     isolate_recompiles=True)
+            self._fns[key] = fn
+            # Copies as Parameters: Dynamo's guards check the tensor type too.
+            params = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in chunk.params]
+            for p, real in zip(params, chunk.params):
+                p.grad = real.grad.detach().clone()
+            states = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                       for k, v in self.optimizer.state[real].items()} for real in chunk.params]
+            with torch.no_grad():
+                self._run(chunk, fn, params=params, states=states)
+        if self.clip_max_norm is not None:
+            params, max_norm = self._params, self.clip_max_norm
+            self._clip = self.events.compile(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm),
+                                             self._recording("clip"), isolate_recompiles=True)
+            saved = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+            self._clip()  # compiles; scales the gradients, which are restored below
+            for p, g in zip(params, saved):
+                if g is not None:
+                    p.grad.copy_(g)
+        reused = sum(1 for r in self.records if r["reused_from"] is not None)
+        say("optimizer update: %d chunk(s), %d compiled, %d reused; %.2f s",
+            len(self._chunks), len(self._chunks) - reused, reused, time.perf_counter() - start)
+
+    def _signature(self, chunk: _Chunk) -> tuple:
+        def meta(t: Any) -> Any:
+            if isinstance(t, torch.Tensor):
+                return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type)
+            return type(t).__name__
+
+        return tuple(
+            (meta(p), meta(p.grad), tuple(sorted((k, meta(v)) for k, v in self.optimizer.state[p].items())))
+            for p in chunk.params
+        )
+
+    def _recording(self, name: str) -> Callable[..., Any]:
+        backend = self._backend
+        backend_name = self._backend_name
+
+        def compile_chunk(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+            def compile_it(job: Job) -> Compiled:
+                with watch_caches() as cache:
+                    fn = backend(job.gm, job.inputs)
+                return Compiled(fn=fn, used_aot=True, backend=backend_name, cache=cache)
+
+            job = Job(gm=gm, inputs=list(example_inputs), name=f"update.{name}")
+            if self._once is not None:
+                compiled = self._once.compile_all([job], ("optimizer", backend_name), compile_it)[0]
+                self.records.append(self._once.records[-1].to_dict())
+                return compiled.fn
+            start = time.perf_counter()
+            compiled = compile_it(job)
+            record = {"name": job.name, "cache": compiled.cache.describe(), "seconds": time.perf_counter() - start,
+                      "reused_from": None}
+            self.records.append(record)
+            say("%s compiled (%s) %.2f s", job.name, record["cache"], record["seconds"])
+            return compiled.fn
+
+        return compile_chunk
+
+    # -- every update ------------------------------------------------------------------------------
+
+    def _run(self, chunk: _Chunk, fn: Callable[..., Any], *, params: list | None = None,
+             states: list[dict] | None = None) -> None:
+        params = chunk.params if params is None else params
+        if states is None:
+            states = [self.optimizer.state[p] for p in params]
+        if any(p.grad is None for p in params):
+            # torch skips parameters without a gradient; so does this (rare) path, eagerly.
+            kept = [(p, s) for p, s in zip(params, states) if p.grad is not None]
+            if kept:
+                _UPDATES[type(self.optimizer)](*_arguments(self.optimizer, chunk.group, *zip(*kept)))
+            return
+        fn(*_arguments(self.optimizer, chunk.group, params, states))
+
+
+def _plan_chunks(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[_Chunk]:
+    chunks: list[_Chunk] = []
+    for index, group in enumerate(optimizer.param_groups):
+        params = [p for p in group["params"] if p.requires_grad]
+        infos = [ParamInfo(name=names.get(id(p), f"param{i}"), nbytes=p.numel() * p.element_size(),
+                           key=f"{p.dtype}/{p.device}") for i, p in enumerate(params)]
+        units = repeated_units(infos)
+        by_unit: dict[str, list] = {}
+        for p, info in zip(params, infos):
+            by_unit.setdefault(units.get(info.name, ""), []).append(p)
+        for unit, members in by_unit.items():
+            chunks.append(_Chunk(group=index, name=f"group{index}.{unit or 'rest'}", params=members))
+    return chunks
+
+
+def _arguments(optimizer: torch.optim.Optimizer, group_index: int, params: Any, states: Any) -> tuple:
+    """(params, grads, state lists..., options) for the group's functional update."""
+    group = optimizer.param_groups[group_index]
+    params = list(params)
+    grads = [p.grad for p in params]
+    options = {k: v for k, v in group.items() if k != "params"}
+    if isinstance(optimizer, torch.optim.SGD):
+        buffers = [s.get("momentum_buffer") for s in states]
+        return params, grads, buffers, options
+    amsgrad = bool(options.get("amsgrad"))
+    lists = [[s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+             [s["max_exp_avg_sq"] for s in states] if amsgrad else [], [s["step"] for s in states]]
+    options["has_complex"] = any(torch.is_complex(p) for p in params)
+    options["decoupled"] = isinstance(optimizer, torch.optim.AdamW) or bool(options.get("decoupled_weight_decay"))
+    return (params, grads, *lists, options)
+
+
+def _sgd_chunk(params: list, grads: list, buffers: list, options: dict) -> None:
+    sgd(params, grads, buffers, weight_decay=options["weight_decay"], momentum=options["momentum"],
+        lr=options["lr"], dampening=options["dampening"], nesterov=options["nesterov"],
+        maximize=options["maximize"], foreach=options["foreach"], fused=options["fused"])
+
+
+def _adam_chunk(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, max_exp_avg_sqs: list,
+                steps: list, options: dict) -> None:
+    beta1, beta2 = options["betas"]
+    adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=options["foreach"],
+         capturable=options["capturable"], differentiable=False, fused=options["fused"],
+         has_complex=options["has_complex"], decoupled_weight_decay=options["decoupled"],
+         amsgrad=options["amsgrad"], beta1=beta1, beta2=beta2, lr=options["lr"],
+         weight_decay=options["weight_decay"], eps=options["eps"], maximize=options["maximize"])
+
+
+_UPDATES = {torch.optim.SGD: _sgd_chunk, torch.optim.Adam: _adam_chunk, torch.optim.AdamW: _adam_chunk}

@@ -7,21 +7,27 @@ how DDP's reducer is made to use the same buckets.
 
 Algorithm: for every graph Dynamo hands us
   1. find the graph inputs that are trainable parameters of the DDP-wrapped module (by identity, so
-     the names are the user's) and plan the buckets (`plan_buckets`);
+     the names are the user's) and plan the buckets (`plan_buckets`), at the boundaries of repeated
+     blocks when the model has them (ddp/bucketing/repeats.py), so that their pieces are alike;
   2. one bucket: compile the graph whole. Several: `split_module` cuts it into one submodule per
      bucket, keeping the original node order (so in-place ops stay where they were) and re-entering
      autocast / grad-mode regions that cross a cut in each piece;
-  3. compile the pieces in forward order with the inner compiler, feeding each piece *fake* inputs
-     that carry the metadata the previous compiled piece really produces. AOTAutograd is told to
-     return fakes from its first call (`fakify_first_call`), so the strides Inductor picked for a
-     piece's outputs reach the next piece's compile instead of the eager strides; symbolic sizes
-     travel the same way (`dynamic=True`). Every piece returns a tuple so the compiled callables all
-     share one calling convention; a thin module unwraps single outputs again.
+  3. run the split graph once on fake inputs, piece by piece, which gives every piece the metadata
+     of its inputs (shapes, strides, symbolic sizes, requires_grad), and hand all pieces to
+     `compile_pieces` at once: it may compile identical pieces once, and in any order. Every piece
+     returns a tuple so the compiled callables all share one calling convention; a thin module
+     unwraps single outputs again.
+  4. The fake run gives eager strides. A compiler may choose other strides for a piece's outputs;
+     the next piece was compiled for the eager ones, so a piece checks its outputs' strides at run
+     time (dims of size > 1; a few tuple compares) and copies an output into the expected layout
+     when they differ (`_Piece`). PyTorch's DDPOptimizer instead asks AOTAutograd to return fakes
+     with the compiled strides from its first call ("fakify first call"), which makes AOTAutograd
+     skip its cache and forces the pieces to be compiled one after the other.
 
-Notes: the splitter knows nothing about backends or fallbacks: the caller passes `compile_piece`.
-Dynamo keeps one TracingContext per frame, but each piece is its own AOT graph; the per-piece forward
-metadata is stacked on `TracingContext.ddp_optimizer_ctx` (the slot torch reserves for this) so that
-backward graphs compiled lazily (dynamic shapes) find their own piece's metadata.
+Notes: the splitter knows nothing about backends or fallbacks: the caller passes `compile_piece`
+(and, to compile many at once, `compile_pieces`). AOTAutograd compiles each piece's backward with
+its forward (compile_core/pieces.py), so no per-piece forward metadata has to wait in Dynamo's
+tracing context for a lazily compiled backward.
 
 Debugging: each recorded `SplitGraph` carries its plan; `str(plan)` shows pieces and parameters;
 `TORCH_LOGS=+ddp.splitter` (or logging at DEBUG for `ddp.splitter`) prints the split graph.
@@ -38,13 +44,16 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from aot.torch_dynamo import PieceMetadata, fake_mode_of, is_fake, saved_tensors_hooks_disabled
+from aot.torch_dynamo import fake_mode_of, is_fake, saved_tensors_hooks_disabled
 from ddp.bucketing import BucketPlan, ParamInfo, plan_buckets, resolve_caps
+from ddp.bucketing.repeats import repeated_units
 
 log = logging.getLogger(__name__)
 
 CompilePiece = Callable[[fx.GraphModule, list, str], "tuple[Callable[..., Any], bool]"]
 """(piece graph, fake example inputs, piece name) -> (compiled callable, whether AOTAutograd ran)."""
+CompilePieces = Callable[[list], "list[tuple[Callable[..., Any], bool]]"]
+"""[(piece graph, fake example inputs, piece name), ...] in forward order -> one result per piece."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +70,8 @@ class SplitterConfig:
     """User names DDP does not reduce."""
     split: bool = True
     """False: plan (for the report) but compile every graph whole."""
+    align_to_repeats: bool = True
+    """Keep cuts in step with repeated blocks where the model has them (ddp/bucketing/repeats.py)."""
 
     def __post_init__(self) -> None:
         resolve_caps(self.bucket_cap_bytes, self.first_bucket_cap_bytes)
@@ -78,6 +89,9 @@ class SplitGraph:
     """How many pieces were compiled."""
     params: list[list[torch.nn.Parameter]]
     """The real parameters of each bucket, in backward order (for reducer alignment)."""
+    restrided: list[int] = dataclasses.field(default_factory=list)
+    """Run-time count, per piece in forward order, of outputs copied into the layout the next
+    piece was compiled for (see the Note, step 4); normally all zero."""
 
 
 def graph_parameters(
@@ -114,16 +128,54 @@ def graph_parameters(
 
 
 class _Piece(torch.nn.Module):
-    """Calls a compiled piece and restores the submodule's own output convention."""
+    """Calls a compiled piece, keeps its outputs in the layout the next piece expects, and restores
+    the submodule's own output convention."""
 
-    def __init__(self, fn: Callable[..., Any], single_output: bool) -> None:
+    def __init__(self, fn: Callable[..., Any], single_output: bool, expected: tuple | None,
+                 counts: list[int], index: int) -> None:
         super().__init__()
         self.fn = fn
         self.single_output = single_output
+        self.expected = expected
+        self.counts = counts
+        self.index = index
 
     def forward(self, *args: Any) -> Any:
         out = self.fn(*args)
+        if self.expected is not None:
+            out = self._relayout(out)
         return out[0] if self.single_output else out
+
+    def _relayout(self, out: Any) -> Any:
+        fixed = None
+        for i, want in enumerate(self.expected):
+            if want is None:
+                continue
+            t = out[i]
+            if all(a == b for a, b, size in zip(t.stride(), want[1], want[0]) if size > 1):
+                continue
+            if fixed is None:
+                fixed = list(out)
+                if self.counts[self.index] == 0:
+                    log.debug("piece %d output %d has strides %s, the next piece expects %s: copying",
+                              self.index, i, t.stride(), want[1])
+                self.counts[self.index] += 1
+            fixed[i] = t.new_empty_strided(want[0], want[1]).copy_(t)
+        return out if fixed is None else type(out)(fixed)
+
+
+def _expected_layouts(outputs: Any) -> tuple | None:
+    """(shape, stride) per output tensor with concrete sizes, None for the rest; None if nothing to check."""
+    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    layouts = []
+    for t in outs:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and all(
+            isinstance(v, int) for v in (*t.shape, *t.stride())
+        ):
+            layouts.append((tuple(t.shape), tuple(t.stride())))
+        else:
+            layouts.append(None)
+    return tuple(layouts) if any(x is not None for x in layouts) else None
 
 
 def _returns_tuple(gm: fx.GraphModule) -> bool:
@@ -145,21 +197,28 @@ class DDPSplitter:
         config: SplitterConfig,
         compile_piece: CompilePiece,
         on_graph: Callable[[SplitGraph], None] = lambda g: None,
+        *,
+        compile_pieces: CompilePieces | None = None,
     ) -> None:
         self.config = config
         self.compile_piece = compile_piece
+        self.compile_pieces: CompilePieces = compile_pieces or (
+            lambda items: [compile_piece(gm, inputs, name) for gm, inputs, name in items]
+        )
         self.on_graph = on_graph
         self.graph_count = 0
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         name = f"graph_{self.graph_count}"
         table = graph_parameters(gm, self.config.param_names, list(example_inputs))
+        infos = {k: info for k, (info, _) in table.items()}
         plan = plan_buckets(
             gm.graph,
-            {k: info for k, (info, _) in table.items()},
+            infos,
             bucket_cap_bytes=self.config.bucket_cap_bytes,
             first_bucket_cap_bytes=self.config.first_bucket_cap_bytes,
             ignore=self.config.ignore,
+            repeats=repeated_units(infos.values()) if self.config.align_to_repeats else None,
         )
         by_name = {info.name: p for info, p in table.values()}
         params = [[by_name[n] for n in b.params] for b in plan.buckets]
@@ -173,30 +232,48 @@ class DDPSplitter:
         piece_of = plan.piece_of()
         split_gm = split_module(gm, None, lambda node: piece_of[node.name], keep_original_order=True)
         log.debug("%s split into %d pieces:\n%s", name, plan.num_pieces, split_gm.graph)
-        _PieceCompilingInterpreter(split_gm, self.compile_piece, name).compile(example_inputs)
+        pieces = _FakeRun(split_gm, name).run_pieces(example_inputs)
+        results = self.compile_pieces([(p.submod, p.args, p.name) for p in pieces])
+        restrided = [0] * len(pieces)
+        for index, (piece, (compiled, used_aot)) in enumerate(zip(pieces, results)):
+            expected = _expected_layouts(piece.outputs) if used_aot else None
+            wrapper = _Piece(compiled, piece.single, expected, restrided, index)
+            split_gm.delete_submodule(str(piece.node.target))
+            piece.node.target = f"compiled_{piece.node.target}"
+            split_gm.add_submodule(piece.node.target, wrapper)
+        split_gm.recompile()
         self.graph_count += 1  # counted once compiled: Dynamo may restart a trace and call us again
-        self.on_graph(SplitGraph(name=name, plan=plan, pieces=plan.num_pieces, params=params))
+        self.on_graph(SplitGraph(name=name, plan=plan, pieces=plan.num_pieces, params=params, restrided=restrided))
         return split_gm
 
 
-class _PieceCompilingInterpreter(fx.Interpreter):
-    """Runs the split graph on fake inputs, compiling each piece with the metadata it will really see."""
+@dataclasses.dataclass
+class _PieceRun:
+    """One piece as the fake run met it."""
 
-    def __init__(self, split_gm: fx.GraphModule, compile_piece: CompilePiece, graph_name: str) -> None:
+    node: fx.Node
+    submod: fx.GraphModule
+    args: list
+    single: bool
+    name: str
+    outputs: Any
+
+
+class _FakeRun(fx.Interpreter):
+    """Runs the split graph on fake inputs, recording what each piece is called with."""
+
+    def __init__(self, split_gm: fx.GraphModule, graph_name: str) -> None:
         super().__init__(split_gm)
-        self.compile_piece = compile_piece
         self.graph_name = graph_name
         self.fake_mode: Any = None
-        self.metadata: PieceMetadata | None = None
-        self.pieces_done = 0
+        self.pieces: list[_PieceRun] = []
 
-    def compile(self, example_inputs: list) -> None:
+    def run_pieces(self, example_inputs: list) -> list[_PieceRun]:
         self.fake_mode = fake_mode_of(example_inputs)
-        self.metadata = PieceMetadata()
         fake_inputs = [self._fake(x) for x in example_inputs]
         with saved_tensors_hooks_disabled():
             self.run(*fake_inputs)
-        self.module.recompile()
+        return self.pieces
 
     def _fake(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not is_fake(x):
@@ -212,21 +289,8 @@ class _PieceCompilingInterpreter(fx.Interpreter):
         args = [self._fake(a) for a in args]
         submod = self.fetch_attr(str(n.target))
         single = _returns_tuple(submod)
-        piece_name = f"{self.graph_name}.piece_{self.pieces_done}"
-        self.pieces_done += 1
-
-        with self.metadata.fakify_first_call():
-            compiled, used_aot = self.compile_piece(submod, list(args), piece_name)
-        wrapper = _Piece(compiled, single)
-        self.module.delete_submodule(str(n.target))
-        n.target = f"compiled_{n.target}"
-        self.module.add_submodule(n.target, wrapper)
-
-        # Outputs for the next piece: AOTAutograd returns fakes from its first call (with the strides
-        # the compiled code produces) and records this piece's forward metadata.
         with self.fake_mode, mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
-            if used_aot and self.metadata.active:
-                self.metadata.push_piece()
-                return wrapper(*args)
             out = submod(*args)
-            return out[0] if single else out
+        name = f"{self.graph_name}.piece_{len(self.pieces)}"
+        self.pieces.append(_PieceRun(node=n, submod=submod, args=list(args), single=single, name=name, outputs=out))
+        return out[0] if single else out

@@ -11,13 +11,17 @@ and the thing a user copies. `--mode` picks the path:
     compiled forward + loss + backward + compiled optimizer update;
   * compile: `compile_core.compile(ddp_model, backend=...)` with an eager optimizer;
   * eager: plain DDP, no compilation (the baseline, and a way to test the launcher alone).
-Rank 0 prints one line per step, the compile report once, and a summary. The process-group backend comes
-from DDP_COMPILE_BACKEND (set by the launcher), else nccl when this rank has a GPU, else gloo.
+Rank 0 prints one line per step, the compile report once, and a summary. While the first step compiles,
+rank 0 shows one `compile_core:` line per graph piece (compiled, loaded from the cache, or reused from an
+identical piece, with seconds) and every rank says when it waits for another rank's compile; `--log-level
+WARNING` hides them. The process-group backend comes from DDP_COMPILE_BACKEND (set by the launcher), else
+nccl when this rank has a GPU, else gloo.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import statistics
 import sys
@@ -39,6 +43,7 @@ from launch import heartbeat  # noqa: E402  (torch-free; a no-op unless launched
 BACKEND_ENV = "DDP_COMPILE_BACKEND"
 MODES = ("train_step", "compile", "eager")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,6 +68,8 @@ class TrainConfig:
     """train_step (everything compiled), compile (model compiled, eager optimizer) or eager."""
     lr: float = 3e-4
     """AdamW learning rate."""
+    log_level: str = "INFO"
+    """Level of the library's log lines (compile progress at INFO); WARNING keeps only problems."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "seq_len", "d_model", "layers", "vocab"):
@@ -74,6 +81,8 @@ class TrainConfig:
             raise ValueError(f"--backend {self.backend!r}: choose one of {', '.join(COMPILE_BACKENDS)}")
         if self.mode not in MODES:
             raise ValueError(f"--mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level {self.log_level!r}: choose one of {', '.join(LOG_LEVELS)}")
 
 
 def parse_args(argv: list[str] | None) -> TrainConfig:
@@ -128,9 +137,21 @@ def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimize
     return manual_step(compiled), lambda: str(compiled.report())
 
 
+def configure_logging(cfg: TrainConfig, rank: int) -> None:
+    """Show the library's lines (compile progress: compile_core logs it at INFO on rank 0) on stderr."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s"))
+    for name in ("compile_core", "ddp", "launch"):
+        logger = logging.getLogger(name)
+        logger.setLevel(cfg.log_level)
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     rank, world, device = init_distributed()
+    configure_logging(cfg, rank)
     try:
         train(cfg, rank, world, device)
     finally:

@@ -48,6 +48,28 @@ def compile_fx_with(
     return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=dict(config_patches or {}) or None)
 
 
+def cache_dir() -> str:
+    """The directory Inductor keeps its on-disk caches in (`TORCHINDUCTOR_CACHE_DIR` or a per-user
+    default), created if missing (`torch/_inductor/runtime/cache_dir_utils.py:cache_dir`)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    return inductor_cache_dir()
+
+
+def disk_caches_enabled() -> bool:
+    """Whether a compile can be loaded from disk: the local AOTAutograd and FX graph caches are on.
+
+    Mirrors `should_use_local_autograd_cache` (`_functorch/_aot_autograd/autograd_cache.py`) and
+    `torch._inductor.config.fx_graph_cache` (`_inductor/config.py`).
+    """
+    import torch
+    import torch._inductor.config as inductor_config
+
+    if torch.compiler.config.force_disable_caches:
+        return False
+    return bool(torch._functorch.config.enable_autograd_cache and inductor_config.fx_graph_cache)
+
+
 def decompositions() -> dict:
     """Inductor's decomposition table (`torch/_inductor/decomposition.py`): graphs spliced into an
     Inductor graph after AOTAutograd ran must already be in these terms."""

@@ -19,6 +19,9 @@ that node. Two refinements keep every piece well-formed:
 A higher-order op (activation checkpointing, `wrap`) is one node whose body is a `get_attr`: the body
 goes with its caller, so the region is never cut. Buffers and the parameters DDP ignores are never
 counted. A bucket holds parameters of one dtype/device only (DDP's rule): a change of key closes it.
+With `repeats` (parameter name -> repeated block, ddp/bucketing/repeats.py) the cuts keep in step
+with the blocks (whole blocks per bucket, or the same cuts inside every block when a block is bigger
+than the cap), so the pieces of the blocks are alike (Note [Buckets at block boundaries]).
 
 Notes: the planner is pure: it reads the graph and a table of parameter facts and returns a
 `BucketPlan`; it needs no process group and mutates nothing. `ddp.splitter` turns the plan into
@@ -79,6 +82,8 @@ class BucketPlan:
     """Cap used for every bucket but the first."""
     first_bucket_cap_bytes: int
     """Cap used for the first bucket."""
+    aligned_to: tuple[str, ...] = ()
+    """Repeated blocks whose boundaries the cuts kept to (empty: cuts by bytes only)."""
 
     @property
     def num_pieces(self) -> int:
@@ -110,12 +115,14 @@ def plan_buckets(
     bucket_cap_bytes: int,
     first_bucket_cap_bytes: int | None = None,
     ignore: frozenset[str] = frozenset(),
+    repeats: Mapping[str, str] | None = None,
 ) -> BucketPlan:
     """Plan the buckets (= pieces) of `graph`.
 
     `params` maps the name of a graph node that *is* a trainable parameter (a placeholder, or a
     `get_attr` of a parameter) to its facts; every other node is data or a buffer. `ignore` holds
-    user names DDP does not reduce (`_ddp_params_and_buffers_to_ignore`).
+    user names DDP does not reduce (`_ddp_params_and_buffers_to_ignore`). `repeats` maps user names
+    to their repeated block (`repeated_units`): buckets then hold whole blocks.
     """
     cap, first_cap = resolve_caps(bucket_cap_bytes, first_bucket_cap_bytes)
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
@@ -145,38 +152,87 @@ def plan_buckets(
     for n in nodes:
         attached_to.setdefault(anchor[n], []).append(n)
 
+    units = _contiguous_units(nodes, anchor, owned, repeats or {})
+    remaining: dict[str, int] = {}  # per unit: parameters not yet in a bucket
+    left: dict[str, int] = {}  # per unit: bytes not yet in a bucket
+    for infos in owned.values():
+        for p in infos:
+            if p.name in units:
+                remaining[units[p.name]] = remaining.get(units[p.name], 0) + 1
+                left[units[p.name]] = left.get(units[p.name], 0) + p.nbytes
+    # A block bigger than the cap is cut inside, at the same places in every block ("periodic");
+    # smaller blocks are grouped whole, as many as the cap takes.
+    periodic = {u for u, nbytes in left.items() if nbytes > cap}
+
     groups: list[dict] = []  # built in backward order
-    open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
     output_node = next(n for n in graph.nodes if n.op == "output")
 
     def feeds_outside(group_nodes: set, node: fx.Node) -> bool:
         return any(u is output_node or (u in position and u not in group_nodes and position[u] > position[node])
                    for u in node.users)
 
-    member: set = set()
-    for node in reversed(nodes):
-        if anchor[node] is not node:
-            continue  # placed with its anchor below
+    # With repeated blocks: the bytes of non-block parameters between each step of the walk and the
+    # next block, and whether a block follows. A small stretch of them (a final norm before the head)
+    # joins the bucket before it rather than the next block's, so that block stays like the others.
+    walk = [n for n in reversed(nodes) if anchor[n] is n]
+    ahead_bytes: dict[fx.Node, int] = {}
+    ahead_unit: dict[fx.Node, bool] = {}
+    stretch, unit_next = 0, False
+    for node in reversed(walk):
+        ahead_bytes[node], ahead_unit[node] = stretch, unit_next
+        infos = owned.get(node, [])
+        if any(p.name in units for p in infos):
+            stretch, unit_next = 0, True
+        elif infos:
+            stretch += sum(p.nbytes for p in infos)
+
+    state = {"group": _new_group(), "member": set(), "units": set()}
+
+    def close() -> None:
+        groups.append(state["group"])
+        state.update(group=_new_group(), member=set(), units=set())
+
+    for node in walk:
+        group = state["group"]
         infos = owned.get(node, [])
         keys = {p.key for p in infos}
-        if open_group["params"] and keys and keys != {open_group["key"]} and open_group["out"]:
-            groups.append(open_group)
-            open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
-            member = set()
+        if group["params"] and keys and keys != {group["key"]} and group["out"]:
+            close()
+        node_units = {units[p.name] for p in infos if p.name in units}
+        entering = node_units - state["units"]
+        if entering and state["group"]["params"] and state["group"]["out"] and (entering | state["units"]) & periodic:
+            # A block cut inside never shares a bucket with another block; parameters outside any
+            # block (a head) keep a bucket of their own unless they are a sliver (under half a cap).
+            if state["units"] or state["group"]["bytes"] >= (first_cap if not groups else cap) / 2:
+                close()
+        group = state["group"]
         attached = attached_to[node]
-        open_group["nodes"].extend(attached)
-        member.update(attached)
+        group["nodes"].extend(attached)
+        state["member"].update(attached)
         for p in infos:
-            open_group["params"].append(p.name)
-            open_group["bytes"] += p.nbytes
-            open_group["key"] = p.key
-        if not open_group["out"]:
-            open_group["out"] = any(feeds_outside(member, n) for n in attached)
+            group["params"].append(p.name)
+            group["bytes"] += p.nbytes
+            group["key"] = p.key
+            unit = units.get(p.name)
+            if unit is not None:
+                remaining[unit] -= 1
+                left[unit] -= p.nbytes
+                state["units"].add(unit)
+        if not group["out"]:
+            group["out"] = any(feeds_outside(state["member"], n) for n in attached)
+        if not (group["params"] and group["out"]):
+            continue
         limit = first_cap if not groups else cap
-        if open_group["params"] and open_group["bytes"] >= limit and open_group["out"]:
-            groups.append(open_group)
-            open_group = {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
-            member = set()
+        whole = all(remaining[u] == 0 for u in state["units"])
+        inside = state["units"] & periodic
+        if inside:
+            # Cut by bytes inside the block, but leave no sliver of it for a bucket of its own.
+            if whole or (group["bytes"] >= limit and all(left[u] >= limit / 2 for u in inside)):
+                close()
+        elif group["bytes"] >= limit and whole:
+            if not (not state["units"] and ahead_unit[node] and 0 < ahead_bytes[node] < cap):
+                close()
+    open_group = state["group"]
     if open_group["nodes"]:
         if groups and not open_group["params"]:
             groups[-1]["nodes"].extend(open_group["nodes"])  # parameter-free preamble
@@ -194,4 +250,42 @@ def plan_buckets(
         )
         for i, g in enumerate(groups)
     )
-    return BucketPlan(buckets=buckets, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap)
+    containers = sorted({u.rsplit(".", 1)[0] if "." in u else "" for u in units.values()})
+    return BucketPlan(buckets=buckets, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap,
+                      aligned_to=tuple(containers))
+
+
+def _new_group() -> dict:
+    return {"nodes": [], "params": [], "bytes": 0, "key": None, "out": False}
+
+
+def _contiguous_units(
+    nodes: list[fx.Node], anchor: dict, owned: dict[fx.Node, list[ParamInfo]], repeats: Mapping[str, str]
+) -> dict[str, str]:
+    """`repeats` restricted to units whose parameters are first used in one stretch of the graph.
+
+    A unit interleaved with another (a weight shared across blocks) would keep its bucket open
+    until the other completes, possibly to the end of the graph: such units are cut by bytes.
+    """
+    if not repeats:
+        return {}
+    runs: dict[str, int] = {}
+    previous = None
+    for node in nodes:
+        if anchor[node] is not node:
+            continue
+        for p in owned.get(node, []):
+            unit = repeats.get(p.name)
+            if unit is None:
+                continue
+            if unit != previous:
+                runs[unit] = runs.get(unit, 0) + 1
+                previous = unit
+    keep = {u for u, n in runs.items() if n == 1}
+    kept = {name: unit for name, unit in repeats.items() if unit in keep}
+    # Still repeats only if at least two units of one container survived.
+    count: dict[str, int] = {}
+    for unit in set(kept.values()):
+        container = unit.rsplit(".", 1)[0] if "." in unit else ""
+        count[container] = count.get(container, 0) + 1
+    return {n: u for n, u in kept.items() if count[u.rsplit(".", 1)[0] if "." in u else ""] >= 2}

@@ -239,4 +239,5 @@ def test_demo_job_runs_compiled(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[0]:step    3/3" in res.stdout
     assert "compile report" in res.stdout and "[0]:summary: 3 steps" in res.stdout
+    assert "compile_core: graph_0" in res.stdout + res.stderr  # rank 0's compile progress, shown by default
     _assert_no_leftovers(marker)

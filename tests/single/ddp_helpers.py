@@ -64,3 +64,25 @@ def run_against_eager(make_model, make_input, *, steps=2, ddp_kwargs=None, ignor
 
 def x256(step: int) -> torch.Tensor:
     return torch.randn(8, 256, generator=torch.Generator().manual_seed(step))
+
+
+class Blocks(nn.Module):
+    """An input layer, `n` identical residual blocks (a ModuleList, as in a transformer), a head."""
+
+    def __init__(self, n: int = 4, width: int = 64) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(n)
+        )
+        self.head = nn.Linear(width, width)  # over a 0.01 MiB first bucket's cap: a bucket of its own
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def x64(step: int, rank: int = 0) -> torch.Tensor:
+    return torch.randn(4, 64, generator=torch.Generator().manual_seed(step * 101 + rank))

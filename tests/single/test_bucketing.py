@@ -175,3 +175,112 @@ def test_handmade_graph_with_get_attr_parameters():
     plan = plan_buckets(gm.graph, table, bucket_cap_bytes=1024)
     assert [b.params for b in plan.buckets] == [("w2",), ("w1",)]
     assert str(plan).count("bucket") == 3  # header + one line per bucket
+
+
+# -- repeated blocks (ddp/bucketing/repeats.py) ---------------------------------------------------------
+
+
+class Blocks(nn.Module):
+    """An input layer, four identical blocks, a head: the shape of a transformer."""
+
+    def __init__(self, n: int = 4, width: int = 64) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(n)
+        )
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+BLOCK = (64 * 128 + 128 + 128 * 64 + 64) * 4  # bytes of one block's parameters
+
+
+def test_repeated_units_come_from_names_and_sizes():
+    from ddp.bucketing.repeats import describe_units, repeated_units, unit_of
+
+    assert unit_of("blocks.3.fc.weight") == ("blocks", "blocks.3")
+    assert unit_of("layers.2.sub.0.w") == ("layers", "layers.2")  # the outermost index wins
+    assert unit_of("0.weight") == ("", "0") and unit_of("head.weight") is None
+    infos = [ParamInfo(name=f"blocks.{i}.{s}", nbytes=64, key="f") for i in range(3) for s in ("w", "b")]
+    infos += [ParamInfo(name="blocks.3.w", nbytes=128, key="f"), ParamInfo(name="head.w", nbytes=64, key="f")]
+    units = repeated_units(infos)
+    # blocks.3 has another size: not a repeat of the others; head belongs to no unit
+    assert units == {f"blocks.{i}.{s}": f"blocks.{i}" for i in range(3) for s in ("w", "b")}
+    assert describe_units(units) == "blocks.<i> (3 units)"
+
+
+def _by_block(plan) -> dict[str, list[list[str]]]:
+    """Block index -> the block parameter suffixes of each of its buckets (asserting one block per bucket)."""
+    out: dict[str, list[list[str]]] = {}
+    for b in plan.buckets:
+        params = [p for p in b.params if p.startswith("blocks.")]
+        blocks = {p.split(".")[1] for p in params}
+        assert len(blocks) <= 1, f"a bucket spans blocks {sorted(blocks)}: {b.params}"
+        if blocks:
+            out.setdefault(blocks.pop(), []).append(sorted(p.split(".", 2)[2] for p in params))
+    return out
+
+
+def test_cuts_keep_to_block_boundaries_when_the_model_repeats_one():
+    gm, table = capture(Blocks(), torch.randn(2, 64))
+    from ddp.bucketing.repeats import repeated_units
+
+    units = repeated_units(table.values())
+    assert plan_buckets(gm.graph, table, bucket_cap_bytes=BLOCK // 3).aligned_to == ()
+    # a cap under one block: every block is cut inside, at the same places, and no bucket spans two
+    small = plan_buckets(gm.graph, table, bucket_cap_bytes=BLOCK // 3, repeats=units)
+    assert small.aligned_to == ("blocks",)
+    per_block = _by_block(small)
+    assert sorted(per_block) == ["0", "1", "2", "3"]
+    assert per_block["0"] == per_block["1"] == per_block["2"] == per_block["3"] and len(per_block["0"]) == 2
+    assert small.buckets[0].params[:2] == ("head.weight", "head.bias")  # a sliver of a head joins block 3
+    # a cap of one block: one block per bucket; of two blocks: two whole blocks per bucket
+    one = plan_buckets(gm.graph, table, bucket_cap_bytes=BLOCK, first_bucket_cap_bytes=1, repeats=units)
+    assert [b.nbytes for b in one.buckets if all(p.startswith("blocks.") for p in b.params)] == [BLOCK] * 4
+    two = plan_buckets(gm.graph, table, bucket_cap_bytes=2 * BLOCK, first_bucket_cap_bytes=1, repeats=units)
+    assert [b.nbytes for b in two.buckets if all(p.startswith("blocks.") for p in b.params)] == [2 * BLOCK, 2 * BLOCK]
+
+
+class SharedAcrossBlocks(nn.Module):
+    """Block i first uses block i+1's weight: the blocks' parameters interleave, so they are no units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = torch.relu(block(F.linear(x, self.blocks[(i + 1) % 3].weight)))
+        return x
+
+
+def test_interleaved_units_fall_back_to_cutting_by_bytes():
+    gm, table = capture(SharedAcrossBlocks(), torch.randn(2, 16))
+    from ddp.bucketing.repeats import repeated_units
+
+    units = repeated_units(table.values())
+    assert len(set(units.values())) == 3  # by their names they would be units...
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=1, repeats=units)
+    assert plan.aligned_to == ()  # ...but waiting for one to complete could swallow the graph
+    assert plan.num_pieces >= 2
+    assert sum(b.nbytes for b in plan.buckets) == 3 * (16 * 16 + 16) * 4
+
+
+def test_a_final_norm_joins_the_head_so_the_last_block_is_like_the_others():
+    from ddp.bucketing.repeats import repeated_units
+    from examples.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, d_model=32, n_layers=3, n_heads=4, max_seq_len=8)
+    gm, table = capture(GPT(cfg), torch.randint(0, 256, (2, 8)))
+    plan = plan_buckets(gm.graph, table, bucket_cap_bytes=4096, repeats=repeated_units(table.values()))
+    assert plan.buckets[0].params == ("head.weight", "ln_f.weight", "ln_f.bias")
+    per_block = _by_block(plan)
+    assert per_block["0"] == per_block["1"] == per_block["2"]  # block 2's buckets hold nothing but block 2
+    # cut inside at the cap (about 4 KiB), never leaving a sliver (ln1) for a bucket of its own
+    assert len(per_block["0"]) == 4 and ["ln1.bias", "ln1.weight", "qkv.bias", "qkv.weight"] in per_block["0"]

@@ -162,26 +162,75 @@ def test_graph_break_is_readable_from_the_graph_and_the_counters():
         assert sum(torch_dynamo.break_counters().values()) > before
 
 
-def test_piece_metadata_slots_exist_while_a_backend_runs():
-    with canary("aot/torch_dynamo.py:PieceMetadata/fake_mode_of/is_fake/aot_autograd_backend"):
+def test_fake_mode_and_hooks_while_a_backend_runs():
+    with canary("aot/torch_dynamo.py:fake_mode_of/is_fake/saved_tensors_hooks_disabled/aot_autograd_backend"):
         seen = {}
 
         def backend(gm, example_inputs):
-            meta = torch_dynamo.PieceMetadata()
-            seen["active"] = meta.active
             fake = torch_dynamo.fake_mode_of(list(example_inputs))
             seen["fake"] = torch_dynamo.is_fake(fake.from_tensor(torch.randn(2)))
-            with meta.fakify_first_call(), torch_dynamo.saved_tensors_hooks_disabled():
-                compiled = torch_dynamo.aot_autograd_backend(
+            with torch_dynamo.saved_tensors_hooks_disabled():
+                return torch_dynamo.aot_autograd_backend(
                     fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward
                 )(gm, example_inputs)
-            meta.push_piece()
-            seen["pieces"] = len(torch._guards.TracingContext.get().ddp_optimizer_ctx.metadata_per_bucket)
-            return compiled
 
         w = torch.randn(4, requires_grad=True)
         torch.compile(lambda x: (x * w).sum(), backend=backend)(torch.randn(4))
-        assert seen == {"active": True, "fake": True, "pieces": 1}
+        assert seen == {"fake": True}
+
+
+def test_non_lazy_backward_compiles_the_backward_with_the_forward():
+    with canary("aot/torch_dynamo.py:non_lazy_backward"):
+        compiled = []
+
+        def backend(gm, example_inputs):
+            with torch_dynamo.non_lazy_backward():
+                return torch_dynamo.aot_autograd_backend(
+                    fw_compiler=lambda g, i: compiled.append("fw") or g.forward,
+                    bw_compiler=lambda g, i: compiled.append("bw") or g.forward,
+                )(gm, example_inputs)
+
+        w = torch.randn(4, requires_grad=True)
+        torch.compile(lambda x: (x * w).sin().sum(), backend=backend)(torch.randn(4))
+        assert compiled == ["fw", "bw"]  # before any backward ran
+
+
+@pytest.mark.inductor
+def test_watch_caches_reads_aot_and_fx_cache_outcomes(tmp_path, monkeypatch):
+    with canary("aot/torch_dynamo.py:watch_caches"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        w = torch.randn(4, requires_grad=True)
+        unique = 1.0 + (hash(str(tmp_path)) % 10_000) / 1e5  # a graph no earlier run has cached
+        outcomes = []
+
+        def backend(gm, example_inputs):
+            with torch_dynamo.watch_caches() as outcome:
+                compiled = torch_inductor.compile_fx_with(gm, example_inputs, on_graph=lambda g, b: None,
+                                                          config_patches=None)
+            outcomes.append(outcome)
+            return compiled
+
+        for _ in range(2):
+            torch._dynamo.reset()
+            torch.compile(lambda x: (x * w * unique).cos().sum(), backend=backend)(torch.randn(4)).backward()
+        assert [o.aot for o in outcomes] == ["miss", "hit"]
+        assert outcomes[0].fx_misses >= 1 and outcomes[1].describe() == "aot cache hit"
+
+
+def test_optimizer_step_hooks_are_counted():
+    with canary("aot/torch_dynamo.py:optimizer_step_hooks"):
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+        assert torch_dynamo.optimizer_step_hooks(opt) == 0
+        handle = opt.register_step_pre_hook(lambda optimizer, args, kwargs: None)
+        assert torch_dynamo.optimizer_step_hooks(opt) == 1
+        handle.remove()
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None)
+        try:
+            assert torch_dynamo.optimizer_step_hooks(opt) == 1
+        finally:
+            handle.remove()
 
 
 def test_pytorch_ddp_optimizer_is_a_dynamo_config_value():
@@ -197,6 +246,17 @@ def test_inductor_option_and_mode_tables():
     with canary("inductor/torch_inductor.py:option_names/mode_options"):
         assert "max_autotune" in torch_inductor.option_names()
         assert torch_inductor.mode_options("max-autotune-no-cudagraphs", None).get("max_autotune") is True
+
+
+def test_cache_dir_and_disk_cache_switches(tmp_path, monkeypatch):
+    with canary("inductor/torch_inductor.py:cache_dir/disk_caches_enabled"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))
+        assert torch_inductor.cache_dir() == str(tmp_path / "c")
+        assert (tmp_path / "c").is_dir()
+        with torch.compiler.config.patch(force_disable_caches=True):
+            assert not torch_inductor.disk_caches_enabled()
+        with torch._inductor.config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True):
+            assert torch_inductor.disk_caches_enabled()
 
 
 @pytest.mark.inductor

@@ -151,6 +151,45 @@ def test_target_by_keyword_and_extra_inputs():
         step(x)
 
 
+def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
+    from tests.single.ddp_helpers import Blocks
+
+    def setup():
+        torch.manual_seed(0)
+        model = DDP(Blocks(width=16))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(4)]
+    model, opt = setup()
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    for x, y in data:
+        step(x, y)
+    ref_model, ref_opt = setup()
+    eager_ddp_run(ref_model, ref_opt, None, data)
+    assert_params_close(model, ref_model)
+    opt_report = step.report().to_dict()["optimizer"]
+    assert opt_report["compiled"] and opt_report["per_block"] and opt_report["recompiles"] == [], opt_report
+    chunks = {r["name"]: r for r in opt_report["graph_compiles"]}
+    # one graph for the four identical blocks, one for the other parameters
+    assert sorted(n for n, r in chunks.items() if r["reused_from"] is None) == [
+        "update.group0.module.blocks.0", "update.group0.rest"]
+    assert sorted(r["reused_from"] for r in chunks.values() if r["reused_from"]) == ["update.group0.module.blocks.0"] * 3
+    assert "per block" in str(step.report())
+
+
+def test_optimizer_with_step_hooks_keeps_the_whole_step():
+    model, opt, _ = make_setup("sgd_momentum")
+    calls = []
+    opt.register_step_post_hook(lambda optimizer, args, kwargs: calls.append(1))
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    for x, y in batches(3):
+        step(x, y)
+    opt_report = step.report().to_dict()["optimizer"]
+    assert not opt_report["per_block"] and "step hook" in opt_report["whole_step_reason"]
+    assert len(calls) == 3  # every update went through optimizer.step()
+
+
 # -- LR schedulers: no optimizer recompiles after warm-up ---------------------------------------------
 @pytest.mark.parametrize(
     "opt_name,sched_name",

@@ -1,0 +1,332 @@
+"""Compile once: identical pieces share one compile, ranks share compiles, every piece is reported.
+
+Note [Compile once]
+-------------------
+Background: the first step of a compiled DDP model is dominated by compiling its pieces, and most
+of that work is repeated: the pieces of a model that repeats a block are the same graph with other
+parameters; every rank of a node compiles the same pieces; a second run of the same job compiles
+them again unless the compile caches can answer.
+
+Algorithm, for a batch of graphs (the pieces of one split graph, or one whole graph):
+  1. Key. Each graph gets a structural key (aot/structure.py: its nodes without names, its inputs'
+     metadata) extended by what else decides the code: backend, Inductor options, partitioner uuid,
+     grad and autocast mode. Parameters are graph inputs, so equal keys mean one compiled callable
+     can run every such piece with its own parameters.
+  2. Reuse. Pieces whose key was compiled before in this model (in this batch or an earlier one)
+     reuse that callable: `graph_0.piece_3 reused from graph_0.piece_1`.
+  3. Claims (Inductor with its disk caches on). The distinct keys are compiled under a claim per
+     key in Inductor's cache directory (inductor/claims.py), which the ranks of a node share. Each
+     rank starts at its own offset in the list and first compiles what nobody else has claimed;
+     then it waits for the claims others hold, bounded by `DDP_COMPILE_CLAIM_TIMEOUT_S` (default
+     300 s), saying for whom it waits, and loads their result from the cache (an AOTAutograd cache
+     hit: no trace, no lowering). If the holder failed or died, or the wait timed out, it compiles
+     the piece itself. Every rank ends with the same compiled pieces.
+  4. Caches. Pieces compile without Dynamo's "fakify first call" (which makes AOTAutograd bypass its
+     cache; the splitter propagates metadata itself) and with the backward compiled together with
+     the forward (aot/torch_dynamo.py:non_lazy_backward), so the cache entry of every piece, forward
+     and backward, is complete and saved during the first forward. A second run of the same job
+     (same cache directory) takes every piece from the AOTAutograd cache.
+  5. Report. Each compile is one `PieceRecord`: reused from which piece, cache outcome
+     (`aot cache hit`, `aot cache miss, fx cache 2 miss`, `aot cache bypass (reason)`), seconds,
+     who it waited for and how that went. Rank 0 logs one INFO line per piece as it is done (other
+     ranks at DEBUG, the wait lines at INFO on every rank). On a cache hit AOTAutograd never hands
+     us the graphs, so the forward/backward sizes of each pair are kept in a small JSON file next to
+     the claims when compiled and read back on a hit.
+
+Notes: backends other than Inductor have no disk cache: no claims (there is nothing to load), but
+reuse still applies to aot_eager. A custom backend callable and the eager backend are never reused.
+A piece compiled with a fallback backend is reused with that fallback.
+
+Debugging: `report().to_dict()["piece_compiles"]`; `TORCH_LOGS=+torch._functorch._aot_autograd.autograd_cache`
+prints AOTAutograd's cache decisions; `ls $TORCHINDUCTOR_CACHE_DIR/ddp_compile/claims/`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from aot import GraphPair
+from aot.structure import structural_key
+from aot.torch_dynamo import CacheOutcome
+from inductor.claims import CompileClaims, Holder
+from inductor.torch_inductor import cache_dir
+from launch.heartbeat import beat
+
+log = logging.getLogger(__name__)
+
+CLAIM_TIMEOUT_ENV = "DDP_COMPILE_CLAIM_TIMEOUT_S"
+DEFAULT_CLAIM_TIMEOUT_S = 300.0
+
+
+def claim_timeout_s() -> float:
+    """How long a rank waits for another rank's compile (`DDP_COMPILE_CLAIM_TIMEOUT_S`, default 300)."""
+    raw = os.environ.get(CLAIM_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_CLAIM_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{CLAIM_TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0") from None
+    if not value > 0:
+        raise ValueError(f"{CLAIM_TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0")
+    return value
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What compiling one graph produced (the fallback chain's answer)."""
+
+    fn: Callable[..., Any]
+    used_aot: bool
+    backend: str
+    """The backend that compiled it (after fallbacks)."""
+    cache: CacheOutcome
+    pair: GraphPair | None = None
+
+
+@dataclasses.dataclass
+class PieceRecord:
+    """How one graph or piece came to be compiled (one per piece, reused ones included)."""
+
+    name: str
+    key: str | None
+    """Structural key (None: never shared)."""
+    cache: str
+    """`reused`, or the cache outcome (`aot cache hit`, `aot cache miss, fx cache 2 miss`, ...)."""
+    seconds: float
+    """Wall time to compile or load it (waiting excluded)."""
+    backend: str = ""
+    reused_from: str | None = None
+    waited_s: float = 0.0
+    """Time spent waiting for another process's claim."""
+    waited_for: str | None = None
+    """Who held the claim (`rank 0 (pid 123)`)."""
+    leader: str | None = None
+    """How the wait ended: done (loaded their compile), failed: <why>, died, or timed out."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"name": self.name, "key": self.key, "cache": self.cache, "seconds": round(self.seconds, 4),
+               "backend": self.backend, "reused_from": self.reused_from}
+        if self.waited_for is not None or self.leader is not None:
+            out.update(waited_s=round(self.waited_s, 3), waited_for=self.waited_for, leader=self.leader)
+        return out
+
+    def line(self) -> str:
+        if self.reused_from is not None:
+            return f"{self.name} reused from {self.reused_from} ({self.seconds:.2f} s)"
+        verb = "loaded" if self.cache.startswith("aot cache hit") else "compiled"
+        text = f"{self.name} {verb} ({self.cache}) {self.seconds:.2f} s"
+        if self.waited_for is not None:
+            text += f" after waiting {self.waited_s:.1f} s for {self.waited_for} ({self.leader})"
+        return text
+
+
+@dataclasses.dataclass
+class Job:
+    gm: fx.GraphModule
+    inputs: list
+    name: str
+
+
+def _rank() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank_offset(n: int) -> int:
+    """Where this rank starts in a list of `n` things to compile, so the ranks of a node start apart."""
+    rank, world = _rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or 1
+    return ((rank % local) * n) // local if n else 0
+
+
+def say(message: str, *args: Any) -> None:
+    """A progress line: INFO on rank 0, DEBUG on the other ranks (they compile the same things)."""
+    level = logging.INFO if _rank()[0] == 0 else logging.DEBUG
+    log.log(level, "compile_core: " + message, *args)
+
+
+class CompileOnce:
+    """Reuse, claims and records for one compiled model (see the Note)."""
+
+    def __init__(self, *, reuse: bool, claims: bool, records: list[PieceRecord], lock: threading.Lock) -> None:
+        self.reuse = reuse
+        self.use_claims = claims
+        self.records = records
+        self.lock = lock
+        self._done: dict[str, tuple[str, Compiled]] = {}  # key -> (first piece's name, its compile)
+        self._claims: CompileClaims | None = None
+
+    def compile_all(
+        self, jobs: Sequence[Job], extra: tuple, compile_fn: Callable[[Job], Compiled], *, reuse: bool = True
+    ) -> list[Compiled]:
+        """Compile `jobs` (the pieces of one graph, in forward order); equal keys compile once
+        (unless `reuse=False` for this batch)."""
+        start = time.perf_counter()
+        with self.lock:
+            first_record = len(self.records)
+        reuse = reuse and self.reuse
+        keys = [self._key(job, extra, reuse) for job in jobs]
+        results: list[Compiled | None] = [None] * len(jobs)
+        first: dict[str, int] = {}
+        todo: list[int] = []
+        for i, key in enumerate(keys):
+            if not reuse or key is None or (key not in first and key not in self._done):
+                todo.append(i)
+            if key is not None:
+                first.setdefault(key, i)
+        claims = self._claims_dir() if self.use_claims and any(keys[i] for i in todo) else None
+        if claims is None:
+            for i in todo:
+                results[i] = self._compile(jobs[i], keys[i], compile_fn)
+        else:
+            self._compile_claimed(jobs, keys, todo, results, compile_fn, claims)
+        for i, key in enumerate(keys):
+            if results[i] is not None:
+                continue
+            source, compiled = self._done[key]
+            results[i] = compiled
+            self._record(PieceRecord(name=jobs[i].name, key=key, cache="reused", seconds=0.0,
+                                     backend=compiled.backend, reused_from=source))
+        order = {job.name: i for i, job in enumerate(jobs)}
+        with self.lock:  # the report lists this batch's pieces in forward order, whatever the compile order
+            self.records[first_record:] = sorted(self.records[first_record:], key=lambda r: order.get(r.name, -1))
+        if len(jobs) > 1:
+            compiled_here = len(todo)
+            hits = sum(1 for i in todo if results[i].cache.aot == "hit")
+            say("%s: %d pieces, %d compiled or loaded (%d aot cache hits), %d reused; %.2f s",
+                jobs[0].name.rsplit(".", 1)[0], len(jobs), compiled_here, hits, len(jobs) - compiled_here,
+                time.perf_counter() - start)
+        return results  # type: ignore[return-value]
+
+    # -- one compile -------------------------------------------------------------------------------
+
+    def _compile(self, job: Job, key: str | None, compile_fn: Callable[[Job], Compiled], *,
+                 wait: Any = None) -> Compiled:
+        beat("compile")  # a launcher watching for hangs gives compiles their long grace
+        start = time.perf_counter()
+        compiled = compile_fn(job)
+        seconds = time.perf_counter() - start
+        self._pair_sizes(key, compiled)
+        if key is not None:
+            self._done.setdefault(key, (job.name, compiled))
+        record = PieceRecord(name=job.name, key=key, cache=compiled.cache.describe(), seconds=seconds,
+                             backend=compiled.backend)
+        if wait is not None:
+            holder, outcome, waited = wait
+            record.waited_for = holder.describe() if holder is not None else "another process"
+            record.leader, record.waited_s = outcome, waited
+        self._record(record)
+        return compiled
+
+    def _record(self, record: PieceRecord) -> None:
+        with self.lock:
+            self.records.append(record)
+        say("%s", record.line())
+
+    def _compile_claimed(
+        self, jobs: Sequence[Job], keys: list, todo: list[int], results: list,
+        compile_fn: Callable[[Job], Compiled], claims: CompileClaims,
+    ) -> None:
+        rank, _ = _rank()
+        offset = rank_offset(len(todo))
+        order = todo[offset:] + todo[:offset]
+        deferred = []
+        for i in order:
+            if keys[i] is None:
+                results[i] = self._compile(jobs[i], None, compile_fn)
+                continue
+            claim = claims.try_claim(keys[i])
+            if claim is None:
+                deferred.append(i)
+                continue
+            results[i] = self._compile_holding(claim, jobs[i], keys[i], compile_fn)
+        for i in deferred:
+            job = jobs[i]
+
+            def waiting(holder: Holder | None, job: Job = job) -> None:
+                who = holder.describe() if holder is not None else "another process"
+                log.info("compile_core: rank %d waiting for %s compiling %s (up to %.0f s, %s)",
+                         rank, who, job.name, claims.timeout_s, "DDP_COMPILE_CLAIM_TIMEOUT_S")
+
+            claim, wait = claims.wait_claim(keys[i], on_wait=waiting)
+            info = (wait.holder, wait.outcome, wait.seconds)
+            if wait.outcome != "done":
+                log.warning("compile_core: rank %d: %s %s %s after %.1f s; compiling it here", rank,
+                            wait.holder.describe() if wait.holder else "the holder", wait.outcome, job.name, wait.seconds)
+            if claim is None:
+                results[i] = self._compile(job, keys[i], compile_fn, wait=info)
+            else:
+                results[i] = self._compile_holding(claim, job, keys[i], compile_fn, wait=info)
+
+    def _compile_holding(self, claim: Any, job: Job, key: str, compile_fn: Callable[[Job], Compiled], *,
+                         wait: Any = None) -> Compiled:
+        try:
+            compiled = self._compile(job, key, compile_fn, wait=wait)
+        except BaseException as exc:
+            claim.failed(f"{type(exc).__name__}: {exc}")
+            raise
+        else:
+            if compiled.backend == "inductor":
+                claim.done()
+            else:  # fell back: nothing in the cache for the others to load
+                claim.failed(f"fell back to {compiled.backend}")
+            return compiled
+        finally:
+            claim.release()
+
+    # -- keys, claims, pair sizes ------------------------------------------------------------------
+
+    def _key(self, job: Job, extra: tuple, reuse: bool) -> str | None:
+        if not reuse and not self.use_claims:
+            return None
+        autocast = tuple(
+            (device, torch.is_autocast_enabled(device), str(torch.get_autocast_dtype(device)))
+            for device in ("cpu", "cuda")
+        )
+        full = (*extra, torch.is_grad_enabled(), autocast)
+        key = structural_key(job.gm, job.inputs, extra=full)
+        if not reuse:
+            # Claims only: make the key unique to this piece, so nothing is reused in-process.
+            key = structural_key(job.gm, job.inputs, extra=(*full, job.name))
+        return key
+
+    def _claims_dir(self) -> CompileClaims | None:
+        if self._claims is None:
+            rank, _ = _rank()
+            directory = os.path.join(cache_dir(), "ddp_compile", "claims")
+            self._claims = CompileClaims(directory, me=f"rank {rank}", timeout_s=claim_timeout_s())
+        return self._claims
+
+    def _pair_sizes(self, key: str | None, compiled: Compiled) -> None:
+        """Keep (or restore, on a cache hit) the forward/backward sizes of the compiled pair."""
+        pair = compiled.pair
+        if key is None or pair is None or compiled.backend != "inductor":
+            return
+        path = os.path.join(cache_dir(), "ddp_compile", "pairs", f"{key}.json")
+        if compiled.cache.aot == "hit":
+            pair.cache = "hit"
+            try:
+                with open(path) as f:
+                    pair.restore(json.load(f))
+            except (OSError, ValueError, TypeError, KeyError):
+                pass  # compiled by a version that kept no sizes: the pair says it came from the cache
+            return
+        pair.cache = compiled.cache.aot or None
+        if pair.forward is None:
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(pair.sizes(), f)
+        os.replace(tmp, path)
