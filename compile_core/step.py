@@ -62,7 +62,7 @@ from compile_core.hyperparams import HyperparamPins, last_lr_as_floats
 from compile_core.in_backward import InBackwardController
 from compile_core.step_config import TrainStepConfig
 from compile_core.step_report import OptimizerReport, TrainStepReport
-from compile_core.update import ChunkedUpdate, CompiledUpdate, chunking_blocker
+from compile_core.update import ChunkedUpdate, CompiledUpdate, chunking_blocker, clip_and_step
 from inductor.torch_inductor import disk_caches_enabled
 from launch.heartbeat import beat
 
@@ -196,16 +196,7 @@ class TrainStep:
         return norm
 
     def _update_fn(self) -> Callable[[], torch.Tensor | None]:
-        params, max_norm, optimizer = self._params, self.config.clip_grad_norm, self.optimizer
-
-        def update() -> torch.Tensor | None:
-            norm = None
-            if max_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            optimizer.step()
-            return norm
-
-        return update
+        return clip_and_step(self._params, self.config.clip_grad_norm, self.optimizer)
 
     def _build_update(self) -> CompiledUpdate | ChunkedUpdate:
         self._pins.install()  # idempotent

@@ -103,6 +103,20 @@ def _graph_tensor_ptrs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> s
     return ptrs
 
 
+def clip_and_step(params: list, max_norm: float | None, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    """The whole update as one function: `clip_grad_norm_` (when asked) then `optimizer.step()`;
+    returns the norm before clipping (None without clipping)."""
+
+    def update() -> torch.Tensor | None:
+        norm = None
+        if max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        optimizer.step()
+        return norm
+
+    return update
+
+
 def chunking_blocker(optimizer: torch.optim.Optimizer) -> str | None:
     """Why `ChunkedUpdate` cannot stand in for `optimizer.step()` (None when it can)."""
     reason = support(optimizer)
