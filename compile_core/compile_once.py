@@ -57,6 +57,7 @@ import torch.fx as fx
 from aot import GraphPair
 from aot.structure import structural_key
 from aot.torch_dynamo import CacheOutcome
+from ddp.agreement import env_seconds
 from inductor.claims import CompileClaims, Holder
 from inductor.torch_inductor import cache_dir
 from launch.heartbeat import beat
@@ -69,16 +70,7 @@ DEFAULT_CLAIM_TIMEOUT_S = 300.0
 
 def claim_timeout_s() -> float:
     """How long a rank waits for another rank's compile (`DDP_COMPILE_CLAIM_TIMEOUT_S`, default 300)."""
-    raw = os.environ.get(CLAIM_TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_CLAIM_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{CLAIM_TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0") from None
-    if not value > 0:
-        raise ValueError(f"{CLAIM_TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0")
-    return value
+    return env_seconds(CLAIM_TIMEOUT_ENV, DEFAULT_CLAIM_TIMEOUT_S)
 
 
 @dataclasses.dataclass

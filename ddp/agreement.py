@@ -46,7 +46,8 @@ class RankMismatchError(RankAgreementError):
     """Ranks reached an exchange with values that must be equal but are not."""
 
 
-def _env_seconds(name: str, default: float) -> float:
+def env_seconds(name: str, default: float) -> float:
+    """A number of seconds > 0 from the environment variable `name` (`default` when unset)."""
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -63,9 +64,9 @@ def _env_seconds(name: str, default: float) -> float:
 class AgreementTimeouts:
     """How long a rank waits for the others at an exchange."""
 
-    first_timeout_s: float = dataclasses.field(default_factory=lambda: _env_seconds("DDP_COMPILE_FIRST_TIMEOUT_S", 900.0))
+    first_timeout_s: float = dataclasses.field(default_factory=lambda: env_seconds("DDP_COMPILE_FIRST_TIMEOUT_S", 900.0))
     """The first exchange of a topic (other ranks may still be compiling)."""
-    timeout_s: float = dataclasses.field(default_factory=lambda: _env_seconds("DDP_COMPILE_TIMEOUT_S", 120.0))
+    timeout_s: float = dataclasses.field(default_factory=lambda: env_seconds("DDP_COMPILE_TIMEOUT_S", 120.0))
     """Every later exchange."""
 
     def __post_init__(self) -> None:

@@ -69,13 +69,14 @@ def x256(step: int) -> torch.Tensor:
 class Blocks(nn.Module):
     """An input layer, `n` identical residual blocks (a ModuleList, as in a transformer), a head."""
 
-    def __init__(self, n: int = 4, width: int = 64) -> None:
+    def __init__(self, n: int = 4, width: int = 64, out: int | None = None) -> None:
         super().__init__()
         self.inp = nn.Linear(width, width)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(n)
         )
-        self.head = nn.Linear(width, width)  # over a 0.01 MiB first bucket's cap: a bucket of its own
+        # out=None: width x width, over a 0.01 MiB first bucket's cap: a bucket of its own
+        self.head = nn.Linear(width, width if out is None else out)
 
     def forward(self, x):
         x = self.inp(x)

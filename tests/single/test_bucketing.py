@@ -10,6 +10,7 @@ import torch.utils.checkpoint
 
 from ddp.bucketing import MiB, ParamInfo, plan_buckets, resolve_caps
 from ddp.splitter import graph_parameters
+from tests.single import ddp_helpers
 
 
 def capture(module: nn.Module, *inputs: torch.Tensor):
@@ -180,22 +181,9 @@ def test_handmade_graph_with_get_attr_parameters():
 # -- repeated blocks (ddp/bucketing/repeats.py) ---------------------------------------------------------
 
 
-class Blocks(nn.Module):
-    """An input layer, four identical blocks, a head: the shape of a transformer."""
-
-    def __init__(self, n: int = 4, width: int = 64) -> None:
-        super().__init__()
-        self.inp = nn.Linear(width, width)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(n)
-        )
-        self.head = nn.Linear(width, 8)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
+def Blocks() -> nn.Module:
+    """An input layer, four identical blocks, a small head: the shape of a transformer."""
+    return ddp_helpers.Blocks(out=8)
 
 
 BLOCK = (64 * 128 + 128 + 128 * 64 + 64) * 4  # bytes of one block's parameters
