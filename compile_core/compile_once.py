@@ -311,8 +311,9 @@ class CompileOnce:
             try:
                 with open(path) as f:
                     pair.restore(json.load(f))
-            except (OSError, ValueError, TypeError, KeyError):
-                pass  # compiled by a version that kept no sizes: the pair says it came from the cache
+            except (OSError, ValueError, TypeError, KeyError) as err:
+                # compiled by a version that kept no sizes: the pair says it came from the cache, no sizes
+                log.debug("compile_core: no forward/backward sizes kept for %s (%s)", key, err)
             return
         pair.cache = compiled.cache.aot or None
         if pair.forward is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
@@ -100,7 +101,22 @@ def partitioner_patch(partition: Callable[..., Any], uuid: str) -> dict[str, Any
     produce other graphs. Inductor pickles its config into those keys: the partitioner pickles as
     its uuid alone.
     """
-    return {"custom_partitioner_fn": _Partitioner(partition, uuid)}
+    return {"custom_partitioner_fn": _Partitioner(partition, uuid),
+            "unsafe_marked_cacheable_functions": {control_deps_name(): torch.__version__}}
+
+
+def control_deps_name() -> str:
+    """`order_after`'s higher-order op, by the name `HigherOrderOperator.cacheable()` looks up in
+    `torch._inductor.config.unsafe_marked_cacheable_functions` (`torch/_ops.py`).
+
+    Inductor's FX graph cache refuses a graph holding a HOP not marked cacheable, so a backward
+    ordered with it was compiled again on every warm start. Marking it is safe for our graphs: the
+    cache key pickles each GraphModule with its submodules (the HOP's subgraphs, code included),
+    and the partitioner's uuid names everything `order_after` was asked to do.
+    """
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    return f"{control_deps.__module__}.{control_deps.__name__}"
 
 
 class _UuidOnlyPartitioner(CustomPartitionerFn):

@@ -385,6 +385,17 @@ def test_inductor_takes_a_custom_partitioner_and_its_decompositions():
         assert isinstance(table, dict) and torch.ops.aten.linalg_vector_norm.default in table
 
 
+def test_the_ordering_op_is_cacheable_under_the_partitioner_patch():
+    """Without the mark, a backward ordered by `order_after` is never taken from the FX graph cache."""
+    with canary("inductor/torch_inductor.py:partitioner_patch/control_deps_name"):
+        from torch._inductor.fx_passes.control_dependencies import control_deps
+
+        patch = torch_inductor.partitioner_patch(lambda *a, **k: None, "uuid-1")
+        assert not control_deps.cacheable()
+        with torch._inductor.config.patch(unsafe_marked_cacheable_functions=patch["unsafe_marked_cacheable_functions"]):
+            assert control_deps.cacheable()
+
+
 def test_the_default_store_and_the_end_of_backward_queue():
     with canary("ddp/torch_ddp.py:default_store/queue_end_of_backward"):
         store = torch_ddp.default_store()
