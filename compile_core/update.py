@@ -25,7 +25,11 @@ Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW, as `compile_core/in
   * update 1 runs `optimizer.step()` eagerly (it creates the optimizer state exactly as torch does),
     then each distinct chunk is compiled by running it once on copies of one chunk's tensors, so the
     compile still happens in the first step; from update 2 each chunk runs compiled, under no_grad.
-  * clipping (`clip_grad_norm_` over all gradients) is its own compiled function, called first.
+  * clipping (`clip_grad_norm_` over all gradients) is its own compiled function, called first;
+  * a parameter without a gradient has no optimizer state (unused so far, `find_unused_parameters`):
+    the update in which one first has a gradient runs `optimizer.step()` eagerly, which creates its
+    state as torch does, and a chunk that was incomplete at update 1 is compiled when it first runs
+    with every gradient; a chunk missing a gradient in some update runs eagerly there, skipping it.
 The optimizer state tensors are the optimizer's own, updated in place, so `optimizer.state_dict()`
 is what an eager run gives. Optimizers with step hooks, other optimizer classes, differentiable or
 sparse groups keep `CompiledUpdate`.
@@ -159,6 +163,7 @@ class ChunkedUpdate:
         self._fns: dict[tuple, Callable[..., Any]] = {}
         self._clip: Callable[[], Any] | None = None
         self._calls = 0
+        self._stateless: list[torch.Tensor] = []  # parameters with no optimizer state yet (no gradient so far)
         # Claims only (no reuse here: Dynamo's cache per chunk signature does that): with Inductor,
         # the ranks of a node compile different chunks and load the others' (Note [Compile once]).
         self._once = CompileOnce(reuse=False, claims=claims, records=[], lock=threading.Lock()) if claims else None
@@ -174,12 +179,16 @@ class ChunkedUpdate:
                     self._prepare()
             except DynamoError as err:  # nothing compiled ran on real tensors: update 1 stands
                 self.failure = err
+        elif self._gains_state():
+            # A parameter has its first gradient: torch's own step creates its state (as in update 1).
+            norm = self._eager(update_index)
+            self._stateless = self._without_state()
         else:
             with self.events.call():
                 norm = self._clip() if self._clip is not None else None
                 with torch.no_grad():
                     for chunk in self._chunks:
-                        self._run(chunk, self._fns[(chunk.group, chunk.signature)])
+                        self._run(chunk, self._compiled_fn(chunk))
         self._calls += 1
         return norm
 
@@ -196,12 +205,46 @@ class ChunkedUpdate:
         self._eager_step()
         return norm
 
+    # -- parameters without a gradient or optimizer state yet ----------------------------------------
+
+    def _has_state(self, p: torch.Tensor, group: dict) -> bool:
+        state = self.optimizer.state.get(p, {})
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return group["momentum"] == 0 or state.get("momentum_buffer") is not None
+        return "step" in state
+
+    def _without_state(self) -> list[torch.Tensor]:
+        groups = self.optimizer.param_groups
+        return [p for c in self._chunks for p in c.params if not self._has_state(p, groups[c.group])]
+
+    def _gains_state(self) -> bool:
+        """Whether a parameter that has no optimizer state yet (it had no gradient so far) has one now:
+        the functional update cannot create state, `optimizer.step()` does."""
+        return any(p.grad is not None for p in self._stateless)
+
+    def _compiled_fn(self, chunk: _Chunk) -> Callable[..., Any] | None:
+        """The compiled update of this chunk's signature; compiled now (on the real tensors, by this
+        call) for a chunk that was incomplete at update 1. None while a gradient is missing."""
+        if any(p.grad is None for p in chunk.params):
+            return None
+        if not chunk.signature:
+            chunk.signature = self._signature(chunk)
+        key = (chunk.group, chunk.signature)
+        if key not in self._fns:
+            self._fns[key] = self.events.compile(_UPDATES[type(self.optimizer)], self._recording(chunk.name),
+                                                 isolate_recompiles=True)
+        return self._fns[key]
+
     def _prepare(self) -> None:
         """Compile each distinct chunk (and the clip) by running it once on copies of its tensors."""
         start = time.perf_counter()
         first: dict[tuple, str] = {}
         distinct = []
+        self._stateless = self._without_state()
+        stateless = set(map(id, self._stateless))
         for chunk in self._chunks:
+            if any(p.grad is None or id(p) in stateless for p in chunk.params):
+                continue  # compiled when it first runs complete (`_compiled_fn`)
             chunk.signature = self._signature(chunk)
             key = (chunk.group, chunk.signature)
             if key in first:
@@ -276,12 +319,12 @@ class ChunkedUpdate:
 
     # -- every update ------------------------------------------------------------------------------
 
-    def _run(self, chunk: _Chunk, fn: Callable[..., Any], *, params: list | None = None,
+    def _run(self, chunk: _Chunk, fn: Callable[..., Any] | None, *, params: list | None = None,
              states: list[dict] | None = None) -> None:
         params = chunk.params if params is None else params
         if states is None:
             states = [self.optimizer.state[p] for p in params]
-        if any(p.grad is None for p in params):
+        if fn is None or any(p.grad is None for p in params):
             # torch skips parameters without a gradient; so does this (rare) path, eagerly.
             kept = [(p, s) for p, s in zip(params, states) if p.grad is not None]
             if kept:

@@ -178,6 +178,55 @@ def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
     assert "per block" in str(step.report())
 
 
+class LateBranch(nn.Module):
+    """Blocks plus a branch that joins only after the first updates (`late` has no gradient, hence
+    no optimizer state, until then), and one that never joins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.late = nn.Linear(16, 16)
+        self.never = nn.Linear(16, 16)
+        self.use_late = False
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x + self.late(x) if self.use_late else x
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
+def test_parameters_that_get_their_first_gradient_later_update_like_eager(opt_name):
+    def setup():
+        torch.manual_seed(0)
+        module = LateBranch()
+        model = DDP(module, find_unused_parameters=True)
+        return module, model, OPTIMIZERS[opt_name](model.parameters())
+
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(5)]
+    module, model, opt = setup()
+    ref_module, ref_model, ref_opt = setup()
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    for i, (x, y) in enumerate(data):
+        module.use_late = ref_module.use_late = i >= 2
+        step(x, y)
+        eager_ddp_run(ref_model, ref_opt, None, [(x, y)])
+    assert_params_close(model, ref_model)
+    torch.manual_seed(0)
+    assert not torch.equal(module.late.weight.detach(), LateBranch().late.weight), "the late branch never trained"
+    # the optimizer state is eager's: created for `late` when it first had a gradient, none for `never`
+    ours = {n: opt.state.get(p, {}) for n, p in module.named_parameters()}
+    theirs = {n: ref_opt.state.get(p, {}) for n, p in ref_module.named_parameters()}
+    assert {n for n, st in ours.items() if st} == {n for n, st in theirs.items() if st}
+    assert not ours["never.weight"] and ours["late.weight"]
+    for name, st in theirs.items():
+        for key, value in st.items():
+            torch.testing.assert_close(torch.as_tensor(ours[name][key]), torch.as_tensor(value), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{name}.{key}: {m}")
+    assert step.report().to_dict()["optimizer"]["per_block"]
+
+
 def test_optimizer_with_step_hooks_keeps_the_whole_step():
     model, opt, _ = make_setup("sgd_momentum")
     calls = []
