@@ -368,3 +368,46 @@ def capture_functional(
     with torch.no_grad():
         compiled(*args)
     return captured["graph"], captured["positions"]
+
+
+def compiled_backward_node(outputs: Any) -> Any:
+    """The autograd node of an AOTAutograd-compiled function, found from what the function returned.
+
+    Mirrors `CompiledFunction` (`_functorch/_aot_autograd/runtime_wrappers.py`), an
+    `autograd.Function` whose backward node is named `CompiledFunctionBackward`. An output may be a
+    view of a compiled output (its node then sits one or two edges further). None when no output
+    requires grad.
+    """
+    seen: set[int] = set()
+    frontier = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    for _ in range(3):
+        following = []
+        for node in frontier:
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if type(node).__name__ == "CompiledFunctionBackward":
+                return node
+            following += [fn for fn, _ in node.next_functions]
+        frontier = following
+    return None
+
+
+def param_edges(node: Any) -> list[tuple[int, torch.Tensor]]:
+    """(edge index, leaf tensor) for each edge of autograd `node` that ends in a leaf's AccumulateGrad.
+
+    Mirrors `torch::autograd::AccumulateGrad` (exposed with its `.variable`): a gradient the node
+    hands to edge i goes straight into that leaf's `.grad`, unless other nodes also feed it.
+    """
+    out = []
+    for i, (fn, _) in enumerate(node.next_functions):
+        variable = getattr(fn, "variable", None) if fn is not None else None
+        if isinstance(variable, torch.Tensor):
+            out.append((i, variable))
+    return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    import torch.utils._pytree as pytree
+
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]

@@ -52,6 +52,7 @@ def compile(
     mode: str | None = None,
     options: dict | None = None,
     reuse_pieces: bool = True,
+    reduce_dtype: torch.dtype | None = None,
 ) -> "CompiledModel":
     """Compile `model` (a DDP model or a plain module); see docs/design.md for the contract."""
     if not isinstance(model, torch.nn.Module):
@@ -64,6 +65,7 @@ def compile(
     config = CompileConfig(
         backend=backend, ddp=ddp, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
         fullgraph=fullgraph, dynamic=dynamic, mode=mode, options=options, reuse_pieces=reuse_pieces,
+        reduce_dtype=reduce_dtype,
     )
     return CompiledModel(model, config)
 
@@ -91,7 +93,7 @@ class CompiledModel:
         if self._mode == "in_graph":
             blocker = in_graph_blocker(self._ddp)
             if blocker is not None:
-                raise ValueError(f"ddp='in_graph' cannot keep DDP's behaviour here: {blocker}; use ddp='split'")
+                raise ValueError(f"ddp='in_graph' cannot keep DDP's behaviour here: {blocker.text}; use ddp='split'")
         self._log = CompileLog()
         self._events = CompileEvents(expected_guard=_VARIANT_GUARD)
         self._calls = 0
@@ -112,13 +114,10 @@ class CompiledModel:
             backend: Callable[..., Any] = self._torch_piece
         elif self._mode == "in_graph":
             self._in_graph = InGraphReducer(
-                self._ddp, names=names, bucket_cap_bytes=cap, first_bucket_cap_bytes=first, agreement=self._agreement
+                self._ddp, names=names, bucket_cap_bytes=cap, first_bucket_cap_bytes=first, agreement=self._agreement,
+                reduce_dtype=config.reduce_dtype,
             )
             backend = self._in_graph_graph
-            if torch_ddp.comm_hooks(self._ddp):
-                note = "ddp='in_graph': the comm hooks registered on the DDP object do not apply (the compiled backward all-reduces)"
-                self._log.notes.append(note)
-                log.warning("compile_core: %s", note)
         else:
             splitter_config = SplitterConfig(
                 bucket_cap_bytes=cap, first_bucket_cap_bytes=first, param_names=names,
@@ -262,6 +261,7 @@ class CompiledModel:
             observed_alignment=self._alignment.observed(),
             notes=self._alignment.notes,
             rank_differences=self._rank_differences(),
+            in_graph=self._in_graph.to_dict() if self._in_graph is not None else None,
         )
 
     @property

@@ -4,7 +4,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+import torch
+
 from ddp.bucketing import MiB, caps_from_mb
+from ddp.in_graph.policy import check_reduce_dtype
 from inductor import InductorSettings
 
 DDP_DEFAULT_CAP_BYTES = 25 * MiB
@@ -43,6 +46,9 @@ class CompileConfig:
     reuse_pieces: bool = True
     """Keep bucket cuts in step with repeated blocks and compile identical pieces once
     (compile_core/compile_once.py); False: cut by bytes alone and compile every piece."""
+    reduce_dtype: torch.dtype | None = None
+    """ddp='in_graph' only: the dtype gradients are all-reduced in (cast per bucket, as DDP's
+    fp16/bf16 compress hooks do); None = the gradients' own dtype (or the registered hook's)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.backend, str):
@@ -67,6 +73,12 @@ class CompileConfig:
             raise ValueError(
                 f"mode={self.mode!r}/options={self.options!r} only apply to backend='inductor' "
                 f"(backend={self.backend!r}); drop them or use the inductor backend"
+            )
+        check_reduce_dtype(self.reduce_dtype)
+        if self.reduce_dtype is not None and self.ddp != "in_graph":
+            raise ValueError(
+                f"reduce_dtype={self.reduce_dtype} only applies to ddp='in_graph' (got ddp={self.ddp!r}); with "
+                "ddp='split' register DDP's fp16_compress_hook/bf16_compress_hook on the DDP object instead"
             )
         # Validates mode/options names now rather than at the first compile.
         self.inductor_settings()

@@ -1,11 +1,14 @@
 """Scheduler-driven hyperparameters as 0-dim tensors we own, so schedulers never cause recompiles.
 
 A scheduler writes a new Python float into `param_groups` every step; Dynamo guards on that value
-and would recompile the optimizer update every step. Before the first compile the learning rate
-(and Adam's betas, whose beta1 OneCycleLR/CyclicLR cycle) becomes a 0-dim tensor we own; before
-every update whatever the scheduler wrote is copied into that tensor and the tensor put back. A
-post-hook on `optimizer.state_dict()` turns them back into floats (and restores flags we had to
-change), so checkpoints stay in the user's format and load into a plain eager optimizer.
+and would recompile the optimizer update every step. So the compiled update reads a 0-dim tensor
+we own instead of the learning rate (and Adam's betas, whose beta1 OneCycleLR/CyclicLR cycle):
+only while our compiled update runs (`HyperparamPins.applied()`) do the groups hold those tensors,
+filled from whatever the scheduler wrote; before and after, they hold the user's floats and flags.
+So a user who calls `optimizer.step()` directly, reads `scheduler.get_last_lr()`, saves
+`optimizer.state_dict()` or builds a second optimizer over the same parameters gets exactly what
+plain PyTorch gives. The update inside the backward reads the same tensors (`tensor()`), filled by
+`sync()` before each step.
 """
 from __future__ import annotations
 
@@ -22,27 +25,30 @@ _PINNED_BETA = "betas"  # only beta1 is cycled (OneCycleLR/CyclicLR), but torch 
 
 @dataclasses.dataclass
 class _GroupPins:
-    """Our tensors for one param group, and the user's values of the flags we had to change."""
+    """Our tensors for one param group, and the flags our compiled update needs."""
 
     owned: dict[str, Any]
     """Key -> our 0-dim tensor (a tuple of two for betas)."""
-    restore: dict[str, Any]
-    """Flag -> the user's value; while pinned, each such flag is True (only `capturable` today)."""
+    flags: dict[str, Any]
+    """Flag -> the value our compiled update needs (`capturable=True` for foreach with a tensor lr)."""
 
 
 class HyperparamPins:
-    """Owns the 0-dim tensors that stand in for scheduler-driven hyperparameters in param_groups."""
+    """Owns the 0-dim tensors that stand in for scheduler-driven hyperparameters (see the module doc)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
-        self._groups: list[_GroupPins] = []  # one per param group, in param_groups order
-        self._hook = None
+        self._groups: list[_GroupPins] | None = None  # one per param group, in param_groups order
+        self._saved: list[dict[str, Any]] | None = None  # the user's values while `applied()`
 
     def install(self) -> None:
-        """Swap floats for tensors (before the first compile) and hook state_dict."""
+        """Create our tensors (idempotent); the groups keep the user's values."""
+        if self._groups is not None:
+            return
+        self._groups = []
         for group in self._optimizer.param_groups:
             owned: dict[str, Any] = {}
-            restore: dict[str, Any] = {}
+            flags: dict[str, Any] = {}
             # A value the user already gave as a tensor is theirs: schedulers fill it in place.
             for key in _PINNED_SCALARS:
                 if key in group and not isinstance(group[key], torch.Tensor):
@@ -52,84 +58,83 @@ class HyperparamPins:
                 owned[_PINNED_BETA] = tuple(_scalar_tensor(b) for b in betas)
             # torch rejects a tensor lr with foreach=True unless capturable=True (both work on CPU and GPU).
             if owned and group.get("foreach") and not group.get("capturable", True):
-                restore["capturable"] = group["capturable"]
-            self._groups.append(_GroupPins(owned=owned, restore=restore))
+                flags["capturable"] = True
+            self._groups.append(_GroupPins(owned=owned, flags=flags))
         self.sync()
-        if self._hook is None:
-            self._hook = self._optimizer.register_state_dict_post_hook(self._user_format)
+
+    @property
+    def installed(self) -> bool:
+        return self._groups is not None
 
     def sync(self) -> None:
-        """Copy whatever a scheduler (or load_state_dict) wrote into our tensors; put them back."""
-        for group, pins in zip(self._optimizer.param_groups, self._groups):
-            group.update(dict.fromkeys(pins.restore, True))  # load_state_dict brings back the user's flags
+        """Copy the groups' current values (what a scheduler or load_state_dict wrote) into our tensors."""
+        for group, pins in zip(self._optimizer.param_groups, self._groups or ()):
             for key, mine in pins.owned.items():
                 current = group[key]
                 if key == _PINNED_BETA:
-                    if not all(c is m for c, m in zip(current, mine)):
-                        for c, m in zip(current, mine):
-                            if c is not m:
-                                m.fill_(c)  # float or tensor; fill_ never allocates
-                        group[key] = mine
+                    for c, m in zip(current, mine):
+                        if c is not m:
+                            m.fill_(c)  # float or tensor; fill_ never allocates
                 elif current is not mine:
                     mine.fill_(current)
-                    group[key] = mine
+
+    def tensor(self, group_index: int, key: str) -> torch.Tensor:
+        """Our tensor for `key` ("lr", "beta1", "beta2") of param group `group_index`."""
+        owned = self._groups[group_index].owned
+        if key == "lr":
+            return owned["lr"]
+        return owned[_PINNED_BETA][0 if key == "beta1" else 1]
+
+    def has(self, group_index: int, key: str) -> bool:
+        if self._groups is None:
+            return False
+        owned = self._groups[group_index].owned
+        return key in owned if key == "lr" else _PINNED_BETA in owned
 
     def uninstall(self) -> None:
-        """Back to plain floats and the user's flags (used when the update falls back to eager)."""
-        for group, pins in zip(self._optimizer.param_groups, self._groups):
-            for key in pins.owned:
-                group[key] = to_float(group[key])
-            group.update(pins.restore)
-        self._groups = []
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        """Forget our tensors (the update falls back to eager)."""
+        self._groups = None
 
     @contextlib.contextmanager
-    def user_values(self) -> Iterator[None]:
-        """The user's floats and flags in the groups for the block (an eager `optimizer.step()`:
-        torch refuses a tensor lr with foreach unless capturable, and capturable on the CPU unless compiling)."""
-        for group, pins in zip(self._optimizer.param_groups, self._groups):
-            for key in pins.owned:
-                group[key] = to_float(group[key])
-            group.update(pins.restore)
+    def applied(self) -> Iterator[None]:
+        """Our tensors and flags in the groups for the block (our compiled update); the user's values after."""
+        if self._groups is None or self._saved is not None:
+            yield
+            return
+        self.sync()
+        self._saved = [self._swap(group, {**pins.owned, **pins.flags})
+                       for group, pins in zip(self._optimizer.param_groups, self._groups)]
         try:
             yield
         finally:
-            for group, pins in zip(self._optimizer.param_groups, self._groups):
-                group.update(pins.owned)
-                group.update(dict.fromkeys(pins.restore, True))
+            for group, values in zip(self._optimizer.param_groups, self._saved):
+                group.update(values)
+            self._saved = None
 
-    def _user_format(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-        # state_dict() builds new group dicts, so editing them leaves the live groups alone.
-        for group, pins in zip(state["param_groups"], self._groups):
-            # initial_lr: a scheduler built after the swap clones our lr tensor into it.
-            for key in (*pins.owned, "initial_lr") if "lr" in pins.owned else pins.owned:
-                if key in group:
-                    group[key] = to_float(group[key])
-            group.update(pins.restore)
-        return state
+    @contextlib.contextmanager
+    def user_values(self) -> Iterator[None]:
+        """Inside `applied()`: the user's values again for the block (an eager `optimizer.step()`: torch
+        refuses a tensor lr with foreach unless capturable, and capturable on the CPU unless compiling)."""
+        if self._saved is None:
+            yield
+            return
+        ours = [self._swap(group, values) for group, values in zip(self._optimizer.param_groups, self._saved)]
+        try:
+            yield
+        finally:
+            for group, values in zip(self._optimizer.param_groups, ours):
+                group.update(values)
+
+    @staticmethod
+    def _swap(group: dict, values: dict[str, Any]) -> dict[str, Any]:
+        """Put `values` into `group`; return what they replaced."""
+        replaced = {k: group[k] for k in values if k in group}
+        group.update(values)
+        return replaced
 
 
 def _scalar_tensor(value: Any) -> torch.Tensor:
-    # float64 on the CPU: holds a Python float exactly (so checkpoints round-trip bit for bit and
-    # schedulers compute in double as they do eagerly); a 0-dim tensor does not promote the
-    # float32 parameters it multiplies, and CPU scalars are what torch's compiled-optimizer recipe uses.
+    # float64 on the CPU: holds a Python float exactly (schedulers compute in double as they do
+    # eagerly); a 0-dim tensor does not promote the float32 parameters it multiplies, and CPU scalars
+    # are what torch's compiled-optimizer recipe uses.
     return torch.tensor(float(value), dtype=torch.float64)
-
-
-def to_float(value: Any) -> Any:
-    """0-dim tensors (and tuples of them) to Python floats; ours live on the CPU, so no GPU wait."""
-    if isinstance(value, tuple):
-        return tuple(to_float(v) for v in value)
-    if isinstance(value, torch.Tensor):
-        return float(value.item())
-    return value
-
-
-def last_lr_as_floats(scheduler: Any) -> None:
-    """The scheduler records the (now tensor) LRs it set; `get_last_lr()` and its state_dict keep floats."""
-    # Our tensors live on the CPU, so .item() reads host memory and never waits on a GPU.
-    last = getattr(scheduler, "_last_lr", None)
-    if isinstance(last, list) and any(isinstance(v, torch.Tensor) for v in last):
-        scheduler._last_lr = [to_float(v) for v in last]

@@ -22,7 +22,13 @@ Algorithm:
 
 Notes: only SGD, Adam and AdamW (exactly these classes, any of their options, foreach and fused
 included) are done in the backward; any other optimizer, or a model that does not compile into a
-single graph holding every parameter, keeps the normal path and the report says why. Float
+single graph, keeps the normal path and the report says why. A parameter the backward does not
+update (reduced after the backward because something outside the graph adds to its gradient,
+ignored by DDP, or without optimizer state yet because it had no gradient so far) keeps its
+gradient and is updated by the normal `optimizer.step()` right after the backward, in the same
+step: torch skips the parameters whose gradient is None, i.e. those already updated. With
+clipping, every gradient must be inside the graph (the global norm is taken there), else the whole
+update stays on the normal path. Float
 hyperparameters other than lr and betas (momentum, weight decay, eps) are constants of the
 captured graph: a schedule that changes one switches back to the normal path, with the reason.
 
@@ -36,6 +42,7 @@ from typing import Any, Callable
 import torch
 
 from aot.torch_dynamo import capture_functional
+from compile_core.hyperparams import HyperparamPins
 from ddp.in_graph.graph_pass import UpdateTemplate
 from inductor.torch_inductor import decompositions
 
@@ -63,8 +70,10 @@ class OptimizerInBackward:
     Implements `ddp.in_graph.runtime.UpdateProvider`.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_max_norm: float | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, pins: HyperparamPins, *,
+                 clip_max_norm: float | None = None) -> None:
         self.optimizer = optimizer
+        self.pins = pins
         self.clip_max_norm = clip_max_norm
         """With clipping, every bucket is updated after the last all-reduce (global norm first)."""
         self.norm = torch.zeros((), dtype=torch.float32) if clip_max_norm is not None else None
@@ -74,14 +83,22 @@ class OptimizerInBackward:
         self._baked: list[tuple] = []
 
     def prepare(self) -> None:
-        """Capture one template per (group, dtype, device); the optimizer state must exist (update 1 ran)."""
+        """Capture one template per (group, dtype, device) that has a parameter with optimizer state
+        (update 1 ran and created it; plain SGD keeps none)."""
         self._baked = [self._baked_values(g) for g in self.optimizer.param_groups]
         for index, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 self._group_of[id(p)] = index
                 key = (index, p.dtype, p.device)
-                if key not in self._templates and p in self.optimizer.state:
-                    self._templates[key] = self._capture(group, p)
+                if key not in self._templates and self._ready(p, group):
+                    self._templates[key] = self._capture(index, group, p)
+
+    def _ready(self, param: torch.nn.Parameter, group: dict) -> bool:
+        """Whether `param` has the optimizer state its update reads (a parameter that never had a
+        gradient has none: the normal step creates it, as torch does)."""
+        if isinstance(self.optimizer, torch.optim.SGD) and group["momentum"] == 0:
+            return True
+        return param in self.optimizer.state and bool(self.optimizer.state[param])
 
     def changed_hyperparameters(self) -> str | None:
         """A baked hyperparameter a scheduler changed since `prepare` (then the templates are stale)."""
@@ -94,32 +111,33 @@ class OptimizerInBackward:
 
     def template_for(self, param: torch.nn.Parameter) -> UpdateTemplate | None:
         index = self._group_of.get(id(param))
-        return None if index is None else self._templates.get((index, param.dtype, param.device))
+        if index is None or not self._ready(param, self.optimizer.param_groups[index]):
+            return None
+        return self._templates.get((index, param.dtype, param.device))
 
     def states(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[torch.Tensor]:
         """The live state tensors of one parameter (looked up at every call: `load_state_dict`
         replaces them)."""
+        if not template.state_keys:
+            return []  # (and no empty entry in the optimizer's state, which indexing would create)
         state = self.optimizer.state[param]
         return [state[k] for k in template.state_keys]
 
     def hypers(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[tuple[Any, torch.Tensor]]:
         """((group, key), tensor) for each hyperparameter input: shared by the group's parameters."""
         index = self._group_of[id(param)]
-        group = self.optimizer.param_groups[index]
-        return [((index, k), _hyper(group, k)) for k in template.hyper_keys]
+        return [((index, k), self.pins.tensor(index, k)) for k in template.hyper_keys]
 
     # -- capture -----------------------------------------------------------------------------------
 
-    def _capture(self, group: dict, param: torch.nn.Parameter) -> UpdateTemplate:
-        state = self.optimizer.state[param]
+    def _capture(self, index: int, group: dict, param: torch.nn.Parameter) -> UpdateTemplate:
+        state = self.optimizer.state.get(param, {})
         state_keys = tuple(k for k in _state_keys(self.optimizer, group) if k in state)
-        hyper_keys = tuple(
-            k for k in ("lr", "beta1", "beta2") if (k == "lr" or "betas" in group) and isinstance(_hyper(group, k), torch.Tensor)
-        )
+        hyper_keys = tuple(k for k in ("lr", "beta1", "beta2") if self.pins.has(index, k))
         # A small stand-in with the same dtype/device: the update is elementwise.
         tiny = lambda t: t.detach().reshape(-1)[:4].clone() if t.dim() else t.detach().clone()  # noqa: E731
         args = [tiny(param), tiny(param)] + [tiny(state[k]) for k in state_keys]
-        args += [_hyper(group, k).detach().clone() for k in hyper_keys]
+        args += [self.pins.tensor(index, k).detach().clone() for k in hyper_keys]
         fn = _functional_update(type(self.optimizer), group, state_keys, hyper_keys)
         # In Inductor's terms (what a graph spliced after partitioning must be), fine for aot_eager too.
         graph, positions = capture_functional(fn, args, decompositions=decompositions())
@@ -145,8 +163,17 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...
 def _functional_update(
     cls: type, group: dict, state_keys: tuple[str, ...], hyper_keys: tuple[str, ...]
 ) -> Callable[..., None]:
-    """`update(param, grad, *states, *hypers)`: torch's functional call, as the class's `step()` makes it."""
+    """`update(param, grad, *states, *hypers)`: torch's functional call, as the class's `step()` makes it.
+
+    A fused group is captured through the single-tensor implementation: torch's fused kernels are
+    opaque to Dynamo (`torch.compiler.disable`), the math is the same elementwise update, and the
+    compiled backward fuses it anyway. (Results agree to rounding, not to the bit.)
+    """
     options = {k: v for k, v in group.items() if k != "params"}
+    if options.get("fused"):
+        options.update(fused=False, foreach=False)
+    if options.get("foreach") and hyper_keys:
+        options["capturable"] = True  # torch refuses a tensor lr with foreach otherwise (see hyperparams.py)
 
     def hyper(values: dict, key: str) -> Any:
         return values[key] if key in values else _hyper(options, key)
@@ -183,10 +210,11 @@ def _functional_update(
 class InBackwardController:
     """When `train_step` updates inside the backward, and why not when it does not (see the Note)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, *, clip_max_norm: float | None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, pins: HyperparamPins, *,
+                 clip_max_norm: float | None, blocker: str | None = None) -> None:
         self.reducer = reducer
-        self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm)
-        self.reason: str | None = support(optimizer)
+        self.updates = OptimizerInBackward(optimizer, pins, clip_max_norm=clip_max_norm)
+        self.reason: str | None = blocker or support(optimizer)
         """Why updates are not (or no longer) inside the backward; None while they are or may be."""
         self.from_update: int | None = None
         """First update applied inside the backward."""
@@ -208,17 +236,28 @@ class InBackwardController:
         """After update `index` ran the normal path: switch to in-backward updates when it can."""
         if self.reason is not None or self.active:
             return
-        if self.reducer.graphs_last_step != 1 or self.reducer.last_leftovers:
-            self.reason = (
-                f"the model ran as {self.reducer.graphs_last_step} compiled graph(s)"
-                + (f" and {len(self.reducer.last_leftovers)} parameter(s) outside any graph" if self.reducer.last_leftovers else "")
-                + "; updates inside the backward need one graph holding every parameter"
-            )
+        self.reason = self._blocker()
+        if self.reason is not None:
             return
         before_prepare()
         self.updates.prepare()
         self.reducer.updates = self.updates
         self.from_update = index + 1
+
+    def _blocker(self) -> str | None:
+        """Why the model, as the first update showed it, cannot update inside its backward."""
+        reducer = self.reducer
+        if not reducer.reduction.in_graph:
+            return f"the compiled backward does not reduce: {reducer.reduction.reason}"
+        if reducer.graphs_last_step != 1:
+            return (f"the model ran as {reducer.graphs_last_step} compiled graph(s); updates inside the backward "
+                    "need the model in one graph")
+        after = sorted(set(reducer.last_leftovers))
+        if self.updates.clip_max_norm is not None and (after or reducer.ignored):
+            kept = after or sorted(reducer.ignored)
+            return (f"clipping needs the global norm of every gradient inside the backward, but {kept[:5]} "
+                    "are reduced after it (or not reduced: ignored by DDP)")
+        return None
 
     def applied(self) -> bool:
         """Whether the backward just run updated the parameters (then the optimizer step is skipped)."""
@@ -240,6 +279,8 @@ class InBackwardController:
             "active": self.active,
             "from_update": self.from_update,
             "updates_in_backward": self.updates_in_backward,
+            "grads_kept_last_backward": self.reducer.grads_kept,
+            "not_updated_in_backward": list(self.reducer.not_updated),
             "clip": None if self.updates.clip_max_norm is None else
             "global norm of all reduced gradients, after the last all-reduce, inside the backward",
             "reason": self.reason,

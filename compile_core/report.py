@@ -51,7 +51,7 @@ class CompileLog:
 
     def snapshot(
         self, *, mode: str, backend: str, events: CompileEvents, alignment: dict, observed_alignment: dict | None,
-        notes: list[str] = (), rank_differences: list[dict] = (),
+        notes: list[str] = (), rank_differences: list[dict] = (), in_graph: dict | None = None,
     ) -> "CompileReport":
         with self.lock, events.lock:
             return CompileReport(
@@ -68,6 +68,7 @@ class CompileLog:
                 observed_alignment=observed_alignment,
                 compile_seconds=events.compile_seconds,
                 rank_differences=[dict(d) for d in rank_differences],
+                in_graph=in_graph,
             )
 
 
@@ -99,6 +100,9 @@ class CompileReport:
     rank_differences: list[dict] = dataclasses.field(default_factory=list)
     """`{"rank", "difference"}` per other rank whose compile (graphs, pieces, fallbacks, recompiles,
     breaks) differs from this rank's, as far as it has told so far."""
+    in_graph: dict | None = None
+    """ddp='in_graph' only: who reduces (compiled backward or DDP's reducer, and why), the comm hook
+    and wire dtype, parameters reduced after the backward, graphs whose collectives fell back."""
     piece_compiles: list[dict] = dataclasses.field(default_factory=list)
     """One per graph or piece: `name`, `key`, `cache` (reused, or the cache outcome), `seconds`,
     `backend`, `reused_from`, and for a piece another rank held: `waited_s`, `waited_for`, `leader`
@@ -144,6 +148,7 @@ class CompileReport:
             "compile_seconds": round(self.compile_seconds, 4),
             "piece_compiles": [dict(r) for r in self.piece_compiles],
             "compile_once": self.compile_once(),
+            "in_graph": None if self.in_graph is None else dict(self.in_graph),
         }
 
     def __str__(self) -> str:
@@ -168,6 +173,16 @@ class CompileReport:
         out.append(f"  DDP bucket alignment: {align.get('status')}" + (f" ({align['detail']})" if align.get("detail") else ""))
         if self.observed_alignment is not None:
             out.extend(f"  {line}" for line in self.observed_alignment["text"].splitlines())
+        if self.in_graph is not None:
+            ig = self.in_graph
+            wire = f", wire dtype {ig['reduce_dtype']}" if ig.get("reduce_dtype") else ""
+            hook = f", comm hook {ig['comm_hook']}" if ig.get("comm_hook") else ""
+            out.append(f"  in-graph reduction: by the {ig['reducer']}{hook}{wire}"
+                       + (f" ({ig['reason']})" if ig.get("reason") else ""))
+            if ig.get("outside_graph"):
+                out.append(f"    reduced after the backward (gradients from outside one graph): {', '.join(ig['outside_graph'])}")
+            for f in ig.get("fallbacks", ()):
+                out.append(f"    {f['graph']}: all-reduced after the backward: {f['reason']}")
         sections = (
             ("graph breaks", self.graph_breaks, lambda x: f"{x['where']}: {x['reason']}"),
             ("recompiles", self.recompiles, lambda x: x["reason"]),

@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import DynamoError
 from compile_core.events import CompileEvents
-from compile_core.hyperparams import HyperparamPins, last_lr_as_floats
+from compile_core.hyperparams import HyperparamPins
 from compile_core.in_backward import InBackwardController
 from compile_core.step_config import TrainStepConfig
 from compile_core.step_report import OptimizerReport, TrainStepReport
@@ -81,19 +81,24 @@ class TrainStep:
         loss_fn: Callable[..., torch.Tensor],
         config: TrainStepConfig,
         lr_scheduler: Any = None,
+        grad_scaler: Any = None,
     ) -> None:
-        _check_inputs(model, optimizer, loss_fn, lr_scheduler)
+        _check_inputs(model, optimizer, loss_fn, lr_scheduler, grad_scaler, config)
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.config = config
         self.lr_scheduler = lr_scheduler
+        self.grad_scaler = grad_scaler
         self.compiled_model = _compile_model(model, config)
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device_type = _device_type(model)
         self._opt_events = CompileEvents(breaks_from="counters", name="optimizer update")
         self._opt_fallback: str | None = None  # why the update runs eagerly, once it does
+        if grad_scaler is not None:
+            self._opt_fallback = ("a GradScaler skips updates whose gradients hold inf/nan, which needs a host "
+                                  "check per update: grad_scaler.step(optimizer) runs eagerly")
         self._pins = HyperparamPins(optimizer)
         self._update: CompiledUpdate | ChunkedUpdate | None = None
         self._update_blocker: str | None = None  # why the update is not compiled per block
@@ -106,7 +111,8 @@ class TrainStep:
         self._in_backward: InBackwardController | None = None
         if config.optimizer_in_backward:
             self._in_backward = InBackwardController(
-                optimizer, self.compiled_model.in_graph, clip_max_norm=config.clip_grad_norm
+                optimizer, self.compiled_model.in_graph, self._pins, clip_max_norm=config.clip_grad_norm,
+                blocker=None if grad_scaler is None else "a GradScaler must see every gradient before any update",
             )
             if self._in_backward.reason is not None:
                 logger.warning("train_step: optimizer update stays after the backward: %s", self._in_backward.reason)
@@ -136,6 +142,8 @@ class TrainStep:
                 loss = self.loss_fn(self.compiled_model(*inputs), target)
             _check_loss(loss)
             scaled = loss / self.config.accum_steps if self.config.accum_steps > 1 else loss
+            if self.grad_scaler is not None:
+                scaled = self.grad_scaler.scale(scaled)
             scaled.backward()
         return loss.detach()
 
@@ -148,7 +156,12 @@ class TrainStep:
         index = self._updates + 1
         controller = self._in_backward
         if controller is not None and controller.applied():
-            norm = controller.updates.norm  # the backward already updated every parameter
+            norm = controller.updates.norm
+            # The backward updated the parameters it reduced alone; the others (reduced after it,
+            # ignored by DDP, or first seen with a gradient) hold their gradient: torch's step
+            # updates exactly those and skips the rest (gradient None).
+            if any(p.grad is not None for p in self._params):
+                self.optimizer.step()
         elif controller is not None and controller.reason is None:
             # Update 1 runs eagerly with the user's own hyperparameters: it creates the optimizer
             # state the backward will update. The pinned tensors come before the update graphs.
@@ -160,7 +173,6 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-            last_lr_as_floats(self.lr_scheduler)
         self._updates = index
         logger.debug(  # every step: DEBUG, so that INFO stays for compile progress
             "train_step: update %d applied after %d micro-batch(es) (optimizer %s, %s)",
@@ -177,9 +189,9 @@ class TrainStep:
         if self._update is None and self._opt_fallback is None:
             self._update = self._build_update()
         if self._update is not None:
-            self._pins.sync()
             try:
-                norm = self._update(index)
+                with self._pins.applied():
+                    norm = self._update(index)
             except DynamoError as err:
                 # Dynamo/backend could not capture or compile the update; nothing of the failing
                 # graph ran. Other exceptions come from running the update and would recur eagerly.
@@ -197,6 +209,17 @@ class TrainStep:
 
     def _update_fn(self) -> Callable[[], torch.Tensor | None]:
         return clip_and_step(self._params, self.config.clip_grad_norm, self.optimizer)
+
+    def _eager_update(self) -> torch.Tensor | None:
+        if self.grad_scaler is None:
+            return self._update_fn()()
+        norm = None
+        if self.config.clip_grad_norm is not None:
+            self.grad_scaler.unscale_(self.optimizer)  # clip the true gradients, as torch's AMP recipe does
+            norm = torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
+        self.grad_scaler.step(self.optimizer)
+        self.grad_scaler.update()
+        return norm
 
     def _build_update(self) -> CompiledUpdate | ChunkedUpdate:
         self._pins.install()  # idempotent
@@ -216,9 +239,6 @@ class TrainStep:
                                  claims=self.config.backend == "inductor" and disk_caches_enabled())
         self._update_blocker = blocker
         return CompiledUpdate(self._update_fn(), self.config.backend, self._opt_events)
-
-    def _eager_update(self) -> torch.Tensor | None:
-        return self._update_fn()()
 
     def _check_captured(self) -> None:
         """After the first update: if Dynamo ran the whole update eagerly, say so and stop trying."""
@@ -288,6 +308,7 @@ def train_step(
     clip_grad_norm: float | None = None,
     autocast: torch.dtype | None = None,
     lr_scheduler: Any = None,
+    grad_scaler: Any = None,
     optimizer_in_backward: bool = False,
     **compile_kwargs: Any,
 ) -> TrainStep:
@@ -297,6 +318,8 @@ def train_step(
     `loss / accum_steps`); every `accum_steps`-th call also clips (if `clip_grad_norm`), runs the
     compiled `optimizer.step()`, `optimizer.zero_grad(set_to_none=True)` and `lr_scheduler.step()`
     (if given). Returns the micro-batch loss, detached. `compile_kwargs` go to `compile_core.compile`.
+    `grad_scaler` (a `torch.amp.GradScaler`, required with `autocast=torch.float16`): the loss is
+    scaled before the backward and `grad_scaler.step(optimizer)` / `update()` run eagerly.
     `optimizer_in_backward=True` (with `ddp="in_graph"`): from update 2 each bucket's parameters are
     updated inside the compiled backward as soon as its all-reduce lands (compile_core/in_backward.py).
     Raises TypeError/ValueError for bad arguments before any compile work.
@@ -310,11 +333,19 @@ def train_step(
         optimizer_in_backward=optimizer_in_backward,
         compile_kwargs=dict(compile_kwargs),
     )
-    return TrainStep(model, optimizer, loss_fn, config, lr_scheduler=lr_scheduler)
+    return TrainStep(model, optimizer, loss_fn, config, lr_scheduler=lr_scheduler, grad_scaler=grad_scaler)
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _check_inputs(model: Any, optimizer: Any, loss_fn: Any, lr_scheduler: Any) -> None:
+def _check_inputs(model: Any, optimizer: Any, loss_fn: Any, lr_scheduler: Any, grad_scaler: Any,
+                  config: TrainStepConfig) -> None:
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise TypeError(f"grad_scaler={type(grad_scaler).__name__}: expected a torch.amp.GradScaler")
+    if config.autocast is torch.float16 and grad_scaler is None:
+        raise ValueError(
+            "autocast=torch.float16 needs loss scaling (fp16 gradients underflow without it): pass "
+            "grad_scaler=torch.amp.GradScaler(device_type), or use autocast=torch.bfloat16"
+        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__}: expected an nn.Module (e.g. your DDP-wrapped model)")
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -9,7 +9,9 @@ gloo) or silently sums unrelated gradients.
 
 Algorithm: each rank writes its value under `<prefix>/<topic>/<n>/<rank>` in the default
 process group's store, where `n` counts this topic's exchanges on this rank, then waits for the
-keys of the other ranks of the group with a bounded timeout. The exchange goes through the store,
+keys of the other ranks of the group with a bounded timeout (the store's own wait: nothing polls).
+Once exchange n is complete, every rank has finished reading exchange n-1, so each rank deletes
+its key of n-1: the store holds at most two keys per rank and topic however long the job runs. The exchange goes through the store,
 not through a collective of the group, so a rank that enters it alone cannot be paired with
 another rank's all-reduce: it times out, and the error lists the ranks whose key never came.
 Values that differ raise an error naming each rank that differs from the lowest rank and how.
@@ -24,9 +26,9 @@ Debugging: the error message carries the topic, the exchange number and each ran
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import pickle
-import time
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -98,21 +100,25 @@ class RankAgreement:
         base = f"{self.prefix}/{topic}/{n}"
         store.set(f"{base}/{self.rank}", pickle.dumps(value))
         keys = {r: f"{base}/{r}" for r in self.ranks}
-        deadline = time.monotonic() + timeout
-        missing = [r for r in self.ranks if r != self.rank]
-        while missing:
-            missing = [r for r in missing if not store.check([keys[r]])]
+        others = [keys[r] for r in self.ranks if r != self.rank]
+        try:
+            store.wait(others, datetime.timedelta(seconds=timeout))  # blocks in the store: no polling
+        except RuntimeError:  # the store's timeout (DistStoreError), or a store that went away
+            missing = [r for r in self.ranks if r != self.rank and not store.check([keys[r]])]
             if not missing:
-                break
-            if time.monotonic() > deadline:
-                raise RankTimeoutError(
-                    f"rank {self.rank}: rank(s) {missing} did not reach '{topic}' (exchange {n}) within "
-                    f"{timeout:.0f}s; they are stuck, dead, or took another path (a graph break, recompile or "
-                    "compile failure on that rank only). Raise DDP_COMPILE_FIRST_TIMEOUT_S / DDP_COMPILE_TIMEOUT_S "
-                    "if they are only slow to compile"
-                )
-            time.sleep(0.01)
-        return {r: pickle.loads(store.get(keys[r])) for r in self.ranks}
+                raise
+            raise RankTimeoutError(
+                f"rank {self.rank}: rank(s) {missing} did not reach '{topic}' (exchange {n}) within "
+                f"{timeout:.0f}s; they are stuck, dead, or took another path (a graph break, recompile or "
+                "compile failure on that rank only). Raise DDP_COMPILE_FIRST_TIMEOUT_S / DDP_COMPILE_TIMEOUT_S "
+                "if they are only slow to compile"
+            ) from None
+        values = {r: pickle.loads(store.get(keys[r])) for r in self.ranks}
+        if n > 0:
+            # Every rank wrote exchange n, so every rank is done reading n-1: our old key can go,
+            # and a long run keeps at most two keys per rank and topic in the store.
+            store.delete_key(f"{self.prefix}/{topic}/{n - 1}/{self.rank}")
+        return values
 
     def publish(self, topic: str, value: Any) -> None:
         """Leave this rank's latest `value` for others to `peek` at (never waits)."""

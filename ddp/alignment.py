@@ -56,7 +56,7 @@ def alignment_blocker(ddp: DistributedDataParallel, buckets: Sequence[Sequence[t
     """Why the reducer of `ddp` cannot be rebuilt to `buckets` (None when it can)."""
     blocker = torch_ddp.reducer_swap_blocker(ddp)
     if blocker is not None:
-        return blocker
+        return blocker.text
     for i, bucket in enumerate(buckets):
         keys = {(p.dtype, p.device) for p in bucket}
         if len(keys) > 1:

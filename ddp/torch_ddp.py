@@ -10,6 +10,7 @@ directly elsewhere and does not belong here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -38,6 +39,45 @@ def comm_hooks(ddp: DistributedDataParallel) -> list[tuple[Callable[..., Any], A
     return list(ddp._comm_hooks)
 
 
+def builtin_comm_hook(ddp: DistributedDataParallel) -> str | None:
+    """The name of a C++ comm hook registered with `_register_builtin_comm_hook`, else None.
+
+    Mirrors `DistributedDataParallel._register_builtin_comm_hook` (distributed.py), which tells only
+    DDP's logger (`_set_comm_hook_name`) and the reducer: `_comm_hooks` never lists it. The logger's
+    record (`_get_ddp_logging_data()["comm_hook"]`) names every hook; a name with no Python hook
+    behind it is a builtin one.
+    """
+    name = ddp._get_ddp_logging_data().get("comm_hook") or None
+    if name is None or any(hook.__qualname__ == name for hook, _ in ddp._comm_hooks):
+        return None
+    return str(name)
+
+
+def compress_wrapper_parts(hook: Callable[..., Any]) -> tuple[torch.dtype, Callable[..., Any]] | None:
+    """(dtype, wrapped hook) for a hook made by `fp16_compress_wrapper` / `bf16_compress_wrapper`.
+
+    Mirrors `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py`: each wrapper returns a
+    closure (`fp16_compress_wrapper_hook`, `bf16_compress_wrapper_hook`) over the wrapped `hook`.
+    """
+    dtypes = {"fp16_compress_wrapper_hook": torch.float16, "bf16_compress_wrapper_hook": torch.bfloat16}
+    code = getattr(hook, "__code__", None)
+    if code is None or code.co_name not in dtypes or "hook" not in code.co_freevars:
+        return None
+    inner = hook.__closure__[code.co_freevars.index("hook")].cell_contents
+    return dtypes[code.co_name], inner
+
+
+def keep_static_graph_reducer_idle(ddp: DistributedDataParallel) -> None:
+    """Stop a `static_graph=True` DDP from queueing its reducer's delayed all-reduce.
+
+    Mirrors `_DDPSink.backward` and `_post_forward` (distributed.py): with static_graph, the first
+    backward queues `reducer._delay_all_reduce` unless `_static_graph_delay_allreduce_enqueued` is
+    set, and that call asserts the reducer was prepared for a backward, which it is not while our
+    compiled backward reduces instead (`require_backward_grad_sync` is off during the forward).
+    """
+    ddp._static_graph_delay_allreduce_enqueued = True
+
+
 def ignored_names(ddp: DistributedDataParallel) -> frozenset[str]:
     """Fully qualified names DDP neither reduces nor broadcasts (`parameters_to_ignore`)."""
     return frozenset(getattr(ddp, "parameters_to_ignore", ()) or ())
@@ -53,7 +93,20 @@ def reducer_params(ddp: DistributedDataParallel) -> tuple[list[torch.nn.Paramete
     return list(params), list(expect_sparse)
 
 
-def reducer_swap_blocker(ddp: DistributedDataParallel) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class DDPOptionBlocker:
+    """A DDP construction option that a reducer built by us cannot reproduce."""
+
+    option: str
+    """Which option: one of `BLOCKING_OPTIONS` (decisions read this, never `text`)."""
+    text: str
+    """The same, for people."""
+
+
+BLOCKING_OPTIONS = ("python_reducer", "mixed_precision", "delayed_all_reduce", "static_graph")
+
+
+def reducer_swap_blocker(ddp: DistributedDataParallel) -> DDPOptionBlocker | None:
     """Why a replacement reducer could not keep DDP's behaviour (None when it can).
 
     Each flag is a DDP construction option the reducer we build cannot reproduce: the python
@@ -61,13 +114,13 @@ def reducer_swap_blocker(ddp: DistributedDataParallel) -> str | None:
     (`_delay_all_reduce_params`) and `static_graph` (distributed.py, `__init__`).
     """
     if getattr(ddp, "_use_python_reducer", False):
-        return "DDP uses the python reducer"
+        return DDPOptionBlocker("python_reducer", "DDP uses the python reducer")
     if getattr(ddp, "mixed_precision", None) is not None:
-        return "DDP mixed_precision is set"
+        return DDPOptionBlocker("mixed_precision", "DDP mixed_precision is set")
     if getattr(ddp, "_delay_all_reduce_params", None):
-        return "DDP has delayed all-reduce parameters"
+        return DDPOptionBlocker("delayed_all_reduce", "DDP has delayed all-reduce parameters")
     if getattr(ddp, "static_graph", False):
-        return "DDP static_graph=True keeps its own bucket order"
+        return DDPOptionBlocker("static_graph", "DDP static_graph=True keeps its own bucket order")
     return None
 
 

@@ -59,10 +59,10 @@ def inductor_compile(
 ) -> Callable[..., Any]:
     """Compile `gm` with Inductor; `on_graph(graph, is_backward)` sees each graph Inductor compiles.
 
-    `partitioner` (a callable with a `uuid()`) replaces the min-cut partition step, after
-    Inductor's own joint-graph passes.
+    `partitioner` (a callable with a `uuid()`, taking `base=`: the user's own partitioner or None
+    for min-cut) replaces the partition step, after Inductor's own joint-graph passes.
     """
     patches = settings.config_patches()
     if partitioner is not None:
-        patches.update(partitioner_patch(partitioner, partitioner.uuid()))
+        patches.update(partitioner_patch(partitioner, partitioner.uuid(), patches))
     return compile_fx_with(gm, example_inputs, on_graph=on_graph, config_patches=patches)

@@ -92,17 +92,30 @@ def order_after(graph: fx.Graph, deps: dict[fx.Node, list[fx.Node]]) -> None:
     preserve_node_ordering(graph, {node: OrderedSet(before) for node, before in deps.items() if before})
 
 
-def partitioner_patch(partition: Callable[..., Any], uuid: str) -> dict[str, Any]:
-    """Inductor config that runs `partition(joint_gm, joint_inputs, **kwargs)` instead of min-cut.
+def partitioner_patch(partition: Callable[..., Any], uuid: str, patches: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Inductor config that runs `partition(joint_gm, joint_inputs, base=..., **kwargs)` instead of min-cut.
 
     Mirrors `torch._inductor.config.custom_partitioner_fn`, a `CustomPartitionerFn`
     (`torch/_inductor/custom_graph_pass.py`): Inductor still runs its joint-graph passes first, and
     `uuid` goes into the AOTAutograd/FX cache keys, so it must change whenever `partition` would
     produce other graphs. Inductor pickles its config into those keys: the partitioner pickles as
     its uuid alone.
+
+    A user's own settings are kept, not replaced: their `custom_partitioner_fn` (from `patches`, the
+    options given to us, else the global config) is handed to `partition` as `base`, the partition
+    step it builds on (its uuid joins ours), and their `unsafe_marked_cacheable_functions` are merged
+    with the op we mark.
     """
-    return {"custom_partitioner_fn": _Partitioner(partition, uuid),
-            "unsafe_marked_cacheable_functions": {control_deps_name(): torch.__version__}}
+    import torch._inductor.config as inductor_config
+
+    patches = dict(patches or {})
+    user = patches.get("custom_partitioner_fn", inductor_config.custom_partitioner_fn)
+    cacheable = dict(patches.get("unsafe_marked_cacheable_functions", inductor_config.unsafe_marked_cacheable_functions) or {})
+    cacheable[control_deps_name()] = torch.__version__
+    if user is not None:
+        uuid = f"{uuid}+{user.uuid() if hasattr(user, 'uuid') else repr(user)}"
+    return {"custom_partitioner_fn": _Partitioner(partition, uuid, base=user),
+            "unsafe_marked_cacheable_functions": cacheable}
 
 
 def control_deps_name() -> str:
@@ -133,12 +146,13 @@ class _UuidOnlyPartitioner(CustomPartitionerFn):
 
 
 class _Partitioner(_UuidOnlyPartitioner):
-    def __init__(self, partition: Callable[..., Any], uuid: str) -> None:
+    def __init__(self, partition: Callable[..., Any], uuid: str, base: Callable[..., Any] | None = None) -> None:
         super().__init__(uuid)
         self._partition = partition
+        self._base = base
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-        return self._partition(gm, joint_inputs, **kwargs)
+        return self._partition(gm, joint_inputs, base=self._base, **kwargs)
 
     def __reduce__(self) -> tuple:
         return (_UuidOnlyPartitioner, (self._uuid,))

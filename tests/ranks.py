@@ -32,6 +32,13 @@ def backend_for(world_size: int) -> str:
     return "gloo"
 
 
+def rank_device(rank: int) -> torch.device:
+    """The device a rank's model and data live on: its own GPU under nccl, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def _worker(rank: int, world_size: int, port: int, pg_timeout: float, fn: Callable, args: tuple, queue) -> None:
     # A process group of our own: the parent kills it whole (this rank and whatever it started).
     os.setpgid(0, 0)

@@ -2,7 +2,10 @@
 
 * `graph_pass.py` -- the FX passes (bucketed all-reduce in the backward, accumulated gradients);
 * `partitioner.py` -- AOTAutograd's partition step with those passes (aot_eager and Inductor);
-* `runtime.py` -- `InGraphReducer`: DDP's semantics around it (no_sync, buffers, leftovers, agreement).
+* `runtime.py` -- `InGraphReducer`: DDP's semantics around it (no_sync, buffers, agreement);
+* `policy.py` -- which reduction a comm hook asks for (compiled in, or left to DDP's reducer);
+* `probe.py` -- finds parameters with gradient producers outside a single compiled graph;
+* `leftovers.py` -- the reduction after the backward of what the graphs did not reduce alone.
 """
 from __future__ import annotations
 
@@ -12,10 +15,10 @@ from ddp import torch_ddp
 from ddp.in_graph.runtime import VARIANTS, InGraphReducer
 
 
-def in_graph_blocker(ddp: DistributedDataParallel) -> str | None:
+def in_graph_blocker(ddp: DistributedDataParallel) -> torch_ddp.DDPOptionBlocker | None:
     """Why `ddp="in_graph"` cannot keep this DDP model's behaviour (None when it can)."""
     blocker = torch_ddp.reducer_swap_blocker(ddp)
-    if blocker is not None and "static_graph" not in blocker:  # static_graph only orders DDP's own buckets
+    if blocker is not None and blocker.option != "static_graph":  # static_graph only orders DDP's own buckets
         return blocker
     return None
 

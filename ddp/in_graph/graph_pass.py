@@ -44,6 +44,7 @@ from ddp.bucketing.grad_buckets import GradBucketPlan
 from inductor.torch_inductor import order_after
 
 _ops = torch.ops.aten
+_prims = torch.ops.prims
 _c10d = torch.ops._c10d_functional
 
 
@@ -118,18 +119,21 @@ class _Issued:
     reduced: fx.Node  # the all_reduce node
     index: int  # input indices follow `members`
     input_indices: list[int]
+    dtype: torch.dtype  # the gradients' dtype (the wire may be narrower)
     wait: fx.Node | None = None  # its wait_tensor, once placed
     last_update: fx.Node | None = None  # the last node of its parameters' update
 
 
 def insert_bucketed_all_reduce(
     backward: fx.GraphModule, plan: GradBucketPlan, *, group_name: str, world_size: int,
-    forward: fx.GraphModule | None = None, updates: UpdateSpec | None = None,
+    forward: fx.GraphModule | None = None, updates: UpdateSpec | None = None, wire_dtype: torch.dtype | None = None,
 ) -> list[str]:
     """Add one flat all-reduce per bucket of `plan` to `backward`; return, per bucket, the op it follows.
 
     With `updates` (and the partitioned `forward`, whose saved values may have to grow), each
     bucket's parameters are updated once its all-reduce lands, and their gradients are not returned.
+    With `wire_dtype`, each bucket is cast to it, divided by the world size and all-reduced in it,
+    then cast back (the order of DDP's fp16/bf16 compress hooks).
     """
     graph = backward.graph
     builder = _Builder(graph)
@@ -155,9 +159,12 @@ def insert_bucketed_all_reduce(
             cursor = builder.after(cursor, _ops.view.default, [node, [-1]])
             flat.append(cursor)
         cursor = builder.after(cursor, _ops.cat.default, [flat])
+        dtype = cursor.meta["val"].dtype
+        if wire_dtype is not None and wire_dtype != dtype:
+            cursor = builder.after(cursor, _prims.convert_element_type.default, [cursor, wire_dtype])
         cursor = builder.after(cursor, _ops.div.Tensor, [cursor, float(world_size)])
         cursor = builder.after(cursor, _c10d.all_reduce.default, [cursor, "sum", group_name])
-        issued.append(_Issued(members=members, reduced=cursor, index=len(issued), input_indices=present))
+        issued.append(_Issued(members=members, reduced=cursor, index=len(issued), input_indices=present, dtype=dtype))
     if updates is None:
         # Waits as late as possible: just before the output that needs them.
         for bucket in issued:
@@ -180,6 +187,8 @@ def _wait_and_split(builder: _Builder, bucket: _Issued) -> list[tuple[int, fx.No
     graph = builder.graph
     done = builder.call(_c10d.wait_tensor.default, [bucket.reduced])
     bucket.wait = done
+    if done.meta["val"].dtype != bucket.dtype:  # a narrower wire: back to the gradients' dtype
+        done = builder.call(_prims.convert_element_type.default, [done, bucket.dtype])
     parts = builder.call(_ops.split_with_sizes.default, [done, [n.meta["val"].numel() for _, n in bucket.members]])
     views = []
     for k, (position, node) in enumerate(bucket.members):
@@ -220,10 +229,10 @@ def _insert_updates(
 
     def finish(bucket: _Issued, views: list[tuple[int, fx.Node]], scale: fx.Node | None = None) -> None:
         for (position, view), index in zip(views, bucket.input_indices):
-            if index not in updates.templates:
-                outputs[position] = view  # not the optimizer's: autograd stores its gradient as usual
-                continue
             grad = view if scale is None else builder.call(_ops.mul.Tensor, [view, scale])
+            if index not in updates.templates:
+                outputs[position] = grad  # no update here: the optimizer step after the backward uses it
+                continue
             bucket.last_update = _apply_update(builder, updates, index, input_node, grad) or bucket.last_update
             outputs[position] = None  # updated in place: no gradient is kept
 
@@ -233,13 +242,22 @@ def _insert_updates(
         with graph.inserting_before(output):
             # Core aten ops only: nodes added after partitioning skip Inductor's decompositions.
             views = [_wait_and_split(builder, b) for b in issued]
-            squares = [builder.call(_ops.sum.default, [builder.call(_ops.mul.Tensor, [v, v])]) for b in views for _, v in b]
-            squares = [builder.call(_ops.view.default, [sq, [1]]) for sq in squares]
-            total = builder.call(_ops.sqrt.default, [builder.call(_ops.sum.default, [builder.call(_ops.cat.default, [squares])])])
+            # As `clip_grad_norm_`: each gradient's norm is computed in fp32 and rounded to the
+            # gradient's dtype (what `_foreach_norm` returns), the total norm of those in fp32.
+            norms = []
+            for _, v in (pair for b in views for pair in b):
+                wide = builder.call(_prims.convert_element_type.default, [v, torch.float32])
+                norm = builder.call(_ops.sqrt.default, [builder.call(_ops.sum.default, [builder.call(_ops.mul.Tensor, [wide, wide])])])
+                if v.meta["val"].dtype != torch.float32:
+                    norm = builder.call(_prims.convert_element_type.default, [
+                        builder.call(_prims.convert_element_type.default, [norm, v.meta["val"].dtype]), torch.float32])
+                norms.append(builder.call(_ops.view.default, [builder.call(_ops.mul.Tensor, [norm, norm]), [1]]))
+            total = builder.call(_ops.sqrt.default, [builder.call(_ops.sum.default, [builder.call(_ops.cat.default, [norms])])])
             if norm_node is not None:
                 builder.call(_ops.copy_.default, [norm_node, total])
-            inverse = builder.call(_ops.reciprocal.default, [builder.call(_ops.add.Tensor, [total, 1e-6])])
-            coef = builder.call(_ops.clamp_max.default, [builder.call(_ops.mul.Tensor, [inverse, updates.clip_max_norm]), 1.0])
+            limit = builder.call(_ops.full_like.default, [total, float(updates.clip_max_norm)])
+            coef = builder.call(_ops.clamp_max.default, [
+                builder.call(_ops.div.Tensor, [limit, builder.call(_ops.add.Tensor, [total, 1e-6])]), 1.0])
             for bucket, bucket_views in zip(issued, views):
                 finish(bucket, bucket_views, coef)
         return

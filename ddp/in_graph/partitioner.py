@@ -39,6 +39,7 @@ class InGraphPartitioner:
         *,
         group_name: str,
         world_size: int,
+        wire_dtype: Any = None,
         accumulated_input_of: Mapping[int, int] | None = None,
         updates: UpdateSpec | None = None,
         on_partitioned: Callable[[list[str]], None] = lambda after: None,
@@ -47,19 +48,23 @@ class InGraphPartitioner:
         self.updates = updates
         self.group_name = group_name
         self.world_size = world_size
+        self.wire_dtype = wire_dtype
         self.accumulated_input_of = dict(accumulated_input_of or {})
         self.on_partitioned = on_partitioned
 
-    def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    def __call__(
+        self, joint: fx.GraphModule, joint_inputs: Any, *, base: Callable[..., Any] | None = None, **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """`base`: the partition step to build on (a user's own Inductor `custom_partitioner_fn`), else min-cut."""
         from functorch.compile import min_cut_rematerialization_partition
 
         if self.accumulated_input_of:
             add_accumulated(joint, self.accumulated_input_of)
         kwargs.setdefault("compiler", "inductor")  # what Inductor passes, and min-cut's own default
-        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        forward, backward = (base or min_cut_rematerialization_partition)(joint, joint_inputs, **kwargs)
         after = insert_bucketed_all_reduce(
             backward, self.plan, group_name=self.group_name, world_size=self.world_size,
-            forward=forward, updates=self.updates,
+            forward=forward, updates=self.updates, wire_dtype=self.wire_dtype,
         )
         self.on_partitioned(after)
         return forward, backward
@@ -73,5 +78,6 @@ class InGraphPartitioner:
                 sorted((i, t.graph.code, t.positions, t.state_keys, t.hyper_keys) for i, t in u.templates.items()),
                 sorted(u.role_inputs.items()), u.clip_max_norm, u.norm_input,
             )
-        key = repr((_CODE_HASH, plan, self.group_name, self.world_size, sorted(self.accumulated_input_of.items()), updates))
+        key = repr((_CODE_HASH, plan, self.group_name, self.world_size, str(self.wire_dtype),
+                    sorted(self.accumulated_input_of.items()), updates))
         return hashlib.sha256(key.encode()).hexdigest()

@@ -3,35 +3,39 @@
 Note [ddp="in_graph" at run time]
 ---------------------------------
 Background: the user still hands us a DDP model, and its `no_sync()`, `forward_sync_buffers`,
-`process_group`, bucket caps and ignored parameters keep their meaning; but DDP's reducer must not
-reduce what the compiled backward already reduced.
+`process_group`, bucket caps, ignored parameters, `find_unused_parameters`, `static_graph` and comm
+hook keep their meaning; but DDP's reducer must not reduce what the compiled backward already
+reduced. The user's eager DDP script is the specification: every gradient ends the backward as
+the average over the ranks of that parameter's *total* gradient, whatever produced it.
 
 Algorithm, per forward of the DDP model:
   * before DDP's forward, choose the variant of the compiled graph: "reduce" (grad mode on and DDP
     would sync), "reduce_acc" (the same, with gradients accumulated by earlier micro-batches under
-    `no_sync()`), or "local" (no collective at all). The compiled entry branches on it, so Dynamo
-    keeps one cache entry per variant: a run with accumulation compiles two variants once, then
-    never recompiles. DDP's `require_backward_grad_sync` is set to False for the duration of its
-    forward, exactly what `no_sync()` does, so its reducer stays idle.
+    `no_sync()`), "local" (no collective at all), each with "_update" when the optimizer updates
+    inside the backward. The compiled entry branches on it, so Dynamo keeps one cache entry per
+    variant. DDP's `require_backward_grad_sync` is off for the duration of its forward, exactly
+    what `no_sync()` does, so its reducer stays idle. A comm hook we cannot compile
+    (ddp/in_graph/policy.py) leaves everything to DDP's reducer instead ("local" graphs).
   * "reduce_acc": the accumulated gradients are moved out of `.grad` into extra inputs of the
-    graph; its backward reduces `accumulated + this micro-batch` (ddp/in_graph/graph_pass.py) and
-    autograd stores the reduced sum into `.grad`.
-  * after DDP's forward, its flags are restored and `require_forward_param_sync` is set the way
-    DDP's own forward would have set it, so DDP broadcasts buffers at the next forward as usual.
-    Gradient hooks on the forward's outputs queue one end-of-backward callback, which all-reduces,
-    in one flat buffer per dtype, every gradient that no compiled graph reduced in this backward
-    (parameters used by code Dynamo ran eagerly, or graphs that fell back to eager) and puts back
-    accumulated gradients that no graph consumed.
+    graph; its backward reduces `accumulated + this micro-batch` (ddp/in_graph/graph_pass.py).
+  * after DDP's forward, its flags are restored as its own forward would leave them. Then the
+    graphs this rank ran (their buckets, by parameter name) are compared with the last set all
+    ranks agreed on; when they differ (the first step, a new graph, a rank that took another
+    branch), the ranks agree again through the store before any collective of the backward,
+    and that backward is probed for gradients from outside the graphs (ddp/in_graph/probe.py).
+    In steady state nothing is exchanged and nothing is probed.
+  * a hook on the forward's outputs queues one end-of-backward callback: it reduces what the graphs
+    did not reduce alone (ddp/in_graph/leftovers.py) and puts back accumulated gradients no graph
+    consumed.
 
-Notes: every rank checks, through `ddp.agreement`, that all ranks planned the same buckets before a
-graph with collectives first runs, and that all ranks reduce the same leftovers; a mismatch is an
-error naming the rank, never a hang or a wrong sum. A parameter used by several graphs has its
-gradient reduced by each of them (partial sums add up to the reduced total); tied weights inside
-one graph are one input and reduced once. Comm hooks registered on the DDP object do not apply
-(the report says so).
+Notes: a parameter used by several graphs, or by a graph and eager code, is reduced after the
+backward (found by the probe; later graphs leave it out of their buckets). Ranks that would pair
+mismatched collectives stop with `RankMismatchError` naming the rank; a rank that changed its graphs
+alone waits in the store, so no collective can pair wrongly, and the other ranks' collectives end
+with its error. Tied weights inside one graph are one input, reduced once.
 
-Debugging: `report()` lists each graph's in-graph buckets and, per bucket, the backward op after
-which its all-reduce is issued; `InGraphReducer.last_leftovers` names what the callback reduced.
+Debugging: `report()["in_graph"]` (reducer, comm hook, wire dtype, parameters reduced outside the
+graph, fallbacks); each graph's buckets name the backward op after which their all-reduce is issued.
 """
 from __future__ import annotations
 
@@ -44,13 +48,16 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import with_extra_inputs
+from aot.torch_dynamo import graph_break_of, with_extra_inputs
 from ddp import torch_ddp
 from ddp.agreement import RankAgreement
 from ddp.bucketing import ParamInfo
 from ddp.bucketing.grad_buckets import GradBucketPlan, GradSlot, plan_grad_buckets, ready_order
 from ddp.in_graph.graph_pass import UpdateSpec, UpdateTemplate
+from ddp.in_graph.leftovers import LeftoverReducer
 from ddp.in_graph.partitioner import InGraphPartitioner
+from ddp.in_graph.policy import Reduction, reduction_for
+from ddp.in_graph.probe import OutsideGradientProbe
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,7 @@ class UpdateProvider(Protocol):
 
     def hypers(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[tuple[Any, torch.Tensor]]: ...
 
+
 CompileFn = Callable[..., "tuple[Callable[..., Any], bool]"]
 """(gm, example_inputs, name, partitioner=...) -> (compiled, whether AOTAutograd ran)."""
 
@@ -86,6 +94,7 @@ class InGraphReducer:
         bucket_cap_bytes: int,
         first_bucket_cap_bytes: int,
         agreement: RankAgreement,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.ddp = ddp
         self.names = names
@@ -95,32 +104,64 @@ class InGraphReducer:
         self.world_size = dist.get_world_size(self.group)
         self.group_name = self.group.group_name
         self.ignored = torch_ddp.ignored_names(ddp)
+        self.reduce_dtype = reduce_dtype
+        self.reduction: Reduction = reduction_for(ddp, reduce_dtype)
+        self._hooks_seen = list(torch_ddp.comm_hooks(ddp))
         self.variant = "local"
         """Read by the compiled entry: Dynamo guards on it (one cache entry per variant)."""
-        self.params = [p for p in torch_ddp.reducer_params(ddp)[0]]
+        self.params = list(torch_ddp.reducer_params(ddp)[0])
         self._by_id = {id(p): p for p in self.params}
+        self._leftovers = LeftoverReducer(group=self.group, world_size=self.world_size,
+                                          find_unused=bool(ddp.find_unused_parameters), names=names)
+        self.outside: dict[int, str] = {}
+        """Parameters with gradient producers besides one compiled graph: reduced after the backward."""
+        self.fallbacks: list[dict[str, str]] = []
+        """Graphs whose collectives could not be placed in the backward: {"graph", "reason"}."""
         self._user_sync = True
         self._stash: dict[int, torch.Tensor] = {}  # accumulated grads moved out of .grad
+        self._runs: list[tuple[tuple, frozenset[int], frozenset[int], Any]] = []  # this forward's graphs
         self._covered: list[frozenset[int]] = []  # param ids reduced in-graph, per graph run this step
+        self._updated: set[int] = set()  # param ids updated inside this step's backward
+        self._agreed: tuple | None = None  # the graphs every rank ran, as last agreed
+        self._compiled_this_step = False  # a compile may keep other ranks busy: wait longer for them
+        self._probe: OutsideGradientProbe | None = None
         self._armed = False
-        self._agreed: set[tuple] = set()
+        self.sync_steps = 0
         self.last_leftovers: list[str] = []
         self.updates: UpdateProvider | None = None
         """Set (by train_step) to update parameters inside the backward from the next sync step."""
         self.update_blocker: str | None = None
         """Why the last graph compiled for an update variant does not update (None: it does)."""
-        self.updated_in_backward = False
-        """True once a graph that updates parameters ran in the current step."""
+        self.not_updated: list[str] = []
+        """Parameters the last update variant reduces but leaves to the normal optimizer step."""
         self.graphs_last_step = 0
         """How many compiled graphs ran in the last synchronising step's forward."""
+        self.grads_kept = 0
+        """Parameters holding a `.grad` when the last synchronising backward ended."""
+        if not self.reduction.in_graph:
+            log.warning("compile_core: ddp='in_graph' is not reducing in the graph: %s", self.reduction.reason)
+
+    @property
+    def updated_in_backward(self) -> bool:
+        """True once a graph that updates parameters ran in the current step."""
+        return bool(self._updated)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.reduction.to_dict(), "outside_graph": sorted(self.outside.values()),
+                "leftovers_last_step": list(self.last_leftovers), "fallbacks": list(self.fallbacks),
+                "find_unused_parameters": self._leftovers.find_unused, "not_updated_in_backward": list(self.not_updated)}
 
     # -- around DDP's forward ------------------------------------------------------------------------
 
     def before_forward(self) -> None:
         """Pick the variant; keep DDP's reducer idle during its forward (what `no_sync()` does)."""
-        self._put_back_stash()  # a previous sync step that never ran a backward
-        self._covered.clear()
-        self.updated_in_backward = False
+        self._abandon_backward()  # a previous forward whose backward never ran
+        self._check_hooks()
+        if not self.reduction.in_graph:
+            self.variant = "local"  # DDP's reducer, with the user's hook, does everything
+            return
+        if getattr(self.ddp, "static_graph", False):
+            torch_ddp.keep_static_graph_reducer_idle(self.ddp)
         self._user_sync = self.ddp.require_backward_grad_sync
         sync = torch.is_grad_enabled() and self._user_sync
         if not sync:
@@ -135,17 +176,28 @@ class InGraphReducer:
         self.ddp.require_backward_grad_sync = False
 
     def after_forward(self, output: Any) -> None:
-        """Restore DDP's flags as its own forward would leave them; arm the end-of-backward callback."""
+        """Restore DDP's flags as its own forward would leave them; agree if the graphs changed; arm the
+        end-of-backward callback."""
+        if not self.reduction.in_graph:
+            return
+        runs, self._runs = self._runs, []
         sync = self.variant != "local"
         self.ddp.require_backward_grad_sync = self._user_sync
         self.ddp.require_forward_param_sync = sync  # DDP broadcasts buffers at the next forward
         if not sync:
             return
-        if not self._covered and not self._agreed:
-            # This rank ran its first synchronising forward without any compiled graph (Dynamo ran
-            # it eagerly): ranks that did compile wait for our plan; tell them, instead of a timeout.
-            self._agree_on(GradBucketPlan(buckets=(), bucket_cap_bytes=self.caps[0],
-                                          first_bucket_cap_bytes=self.caps[1]), in_graph=False)
+        self.sync_steps += 1
+        self.graphs_last_step = len(runs)
+        self._covered = [covered for _, covered, _, _ in runs]
+        self._updated = set().union(*(updated for _, _, updated, _ in runs))
+        signature = tuple(entry for entry, _, _, _ in runs)
+        if signature != self._agreed:
+            timeouts = self.agreement.timeouts
+            wait = timeouts.first_timeout_s if self._compiled_this_step else timeouts.timeout_s
+            self.agreement.agree("graphs run", signature, describe=_describe_signature, timeout_s=wait)
+            self._agreed = signature
+            probed = {i for covered in self._covered for i in covered if i not in self.outside}
+            self._probe = OutsideGradientProbe([out for *_, out in runs], [self._by_id[i] for i in probed])
         self._armed = False
         for t in pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -155,6 +207,24 @@ class InGraphReducer:
         if not self._armed:
             self._armed = True
             torch_ddp.queue_end_of_backward(self._finish_backward)
+
+    def _check_hooks(self) -> None:
+        hooks = list(torch_ddp.comm_hooks(self.ddp))
+        if hooks == self._hooks_seen and self.sync_steps:
+            return
+        reduction = reduction_for(self.ddp, self.reduce_dtype)
+        self._hooks_seen = hooks
+        if reduction == self.reduction:
+            return
+        if self.sync_steps:
+            raise ValueError(
+                f"a comm hook ({reduction.hook}) was registered after the first synchronising step of a "
+                "ddp='in_graph' model, whose compiled backward already reduces without it: register comm hooks "
+                "right after wrapping the model in DDP, before the first step"
+            )
+        self.reduction = reduction
+        if not reduction.in_graph:
+            log.warning("compile_core: ddp='in_graph' is not reducing in the graph: %s", reduction.reason)
 
     # -- compiling -----------------------------------------------------------------------------------
 
@@ -166,7 +236,7 @@ class InGraphReducer:
             if not isinstance(value, torch.nn.Parameter) or not value.requires_grad:
                 continue
             name = self.names.get(id(value))
-            if name is None or name in self.ignored or id(value) not in self._by_id:
+            if name is None or name in self.ignored or id(value) not in self._by_id or id(value) in self.outside:
                 continue
             info = ParamInfo(name=name, nbytes=value.numel() * value.element_size(), key=f"{value.dtype}/{value.device}")
             slots[node.name] = GradSlot(input_index=index, info=info)
@@ -180,6 +250,7 @@ class InGraphReducer:
     ) -> tuple[Callable[..., Any], GradBucketPlan | None]:
         """Compile one graph in the current variant; returns (callable for Dynamo, plan or None)."""
         variant = self.variant
+        self._compiled_this_step = True
         if variant == "local":
             compiled, _ = compile_piece(gm, list(example_inputs), name)
             return compiled, None
@@ -198,48 +269,51 @@ class InGraphReducer:
         if extras:
             gm = with_extra_inputs(gm, [f"ddp_compile_input_{k}" for k in range(len(extras))])
         partitioner = InGraphPartitioner(
-            plan, group_name=self.group_name, world_size=self.world_size,
+            plan, group_name=self.group_name, world_size=self.world_size, wire_dtype=self.reduction.wire_dtype,
             accumulated_input_of=accumulated, updates=spec, on_partitioned=on_partitioned,
         )
         compiled, used_aot = compile_piece(gm, inputs, name, partitioner=partitioner)
-        # Before this graph's first collective: every rank must have planned the same buckets, and
-        # compiled them into its backward (a rank that fell back to eager would reduce otherwise).
-        self._agree_on(plan, in_graph=used_aot)
-        if not used_aot:  # fell back to eager everywhere: the end-of-backward callback reduces
+        if not used_aot:
+            # No AOT backward to put collectives in (the graph runs eagerly): its gradients are
+            # reduced after the backward. Say so: the user asked for reduction inside the backward.
+            reason = "the graph fell back to eager (no compiled backward to hold its all-reduces)"
+            self.fallbacks.append({"graph": name, "reason": reason})
+            log.warning("compile_core: ddp='in_graph': %s: %s; its gradients are all-reduced after the backward",
+                        name, reason)
             return original.forward, None
+        entry = (tuple(b.params for b in plan.buckets), str(self.reduction.wire_dtype))
         covered = frozenset(id(inputs[i]) for i in plan.input_indices())
-        updates = spec is not None
+        updated = frozenset(id(inputs[i]) for i in (spec.templates if spec is not None else ()))
 
         def run(*args: Any) -> Any:
-            self._covered.append(covered)
-            if updates:
-                self.updated_in_backward = True
             if extras:
                 args = (*args, *(make() for make in extras))
-            return compiled(*args)
+            out = compiled(*args)
+            self._runs.append((entry, covered, updated, out))
+            return out
 
         return run, plan
 
     def _update_spec(
         self, gm: fx.GraphModule, inputs: list, plan: GradBucketPlan, extras: list[Callable[[], torch.Tensor]]
     ) -> UpdateSpec | None:
-        """Extra inputs and templates for updating every planned parameter, or None (with the reason)."""
+        """Extra inputs and templates for updating the planned parameters that have an update, or None."""
         provider = self.updates
-        from aot.torch_dynamo import graph_break_of
-
         if graph_break_of(gm) is not None:
             self.update_blocker = "the model does not compile into one graph (graph break)"
             return None
-        params = [inputs[i] for i in sorted(plan.input_indices())]
-        templates = {i: provider.template_for(inputs[i]) for i in sorted(plan.input_indices())}
-        missing = [self.names.get(id(inputs[i]), "?") for i, t in templates.items() if t is None]
-        if missing:
-            self.update_blocker = f"parameters {missing[:5]} have no update (not in the optimizer, or no state yet)"
+        indices = sorted(plan.input_indices())
+        templates = {i: t for i in indices if (t := provider.template_for(inputs[i])) is not None}
+        # No template: not in the optimizer, or no state yet (a branch that joined late). Its
+        # reduced gradient is returned and the normal optimizer step updates it after the backward.
+        self.not_updated = [self.names.get(id(inputs[i]), "?") for i in indices if i not in templates]
+        if not templates:
+            self.update_blocker = "no parameter of this graph has an update yet"
             return None
         hyper_inputs: dict[Any, int] = {}
         role_inputs: dict[int, tuple[int, ...]] = {}
-        for i, param in zip(sorted(templates), params):
-            template = templates[i]
+        for i, template in templates.items():
+            param = inputs[i]
             roles = [
                 _add_input(inputs, extras, torch.zeros_like(t), lambda p=param, t=template, k=k: provider.states(p, t)[k])
                 for k, t in enumerate(provider.states(param, template))
@@ -257,18 +331,6 @@ class InGraphReducer:
         return UpdateSpec(templates=templates, role_inputs=role_inputs, clip_max_norm=provider.clip_max_norm,
                           norm_input=norm_input)
 
-    def _agree_on(self, plan: GradBucketPlan, *, in_graph: bool) -> None:
-        fingerprint = (in_graph, plan.fingerprint())
-        if fingerprint in self._agreed:
-            return  # e.g. a recompile for new input sizes, with the same buckets as before
-
-        def describe(fp: tuple) -> str:
-            where = "in the compiled backward" if fp[0] else "NOT in the backward (compile fell back to eager)"
-            return f"{len(fp[1])} bucket(s) {where}: " + ", ".join(f"{n}B/{k}/{c} params" for n, k, c in fp[1])
-
-        self.agreement.agree("in-graph buckets", fingerprint, describe=describe)
-        self._agreed.add(fingerprint)
-
     def _take_accumulated(self, param: torch.nn.Parameter) -> torch.Tensor:
         acc = self._stash.pop(id(param), None)
         return torch.zeros_like(param) if acc is None else acc
@@ -281,27 +343,57 @@ class InGraphReducer:
             p.grad = acc if p.grad is None else p.grad.add_(acc)
         self._stash = {}
 
-    def _finish_backward(self) -> None:
-        """All-reduce what no compiled graph reduced in this backward (see the Note)."""
-        covered = frozenset().union(*self._covered)
-        self.graphs_last_step = len(self._covered)
-        self._covered.clear()
+    def _abandon_backward(self) -> None:
         self._put_back_stash()
-        leftovers = [p for p in self.params if id(p) not in covered and p.grad is not None]
-        self.last_leftovers = [self.names.get(id(p), "?") for p in leftovers]
-        if not leftovers:
-            return
-        # A rank without leftovers never comes: the others time out naming it, instead of hanging.
-        self.agreement.agree("leftover gradients", sorted(self.last_leftovers), timeout_s=self.agreement.timeouts.timeout_s)
-        for key in dict.fromkeys((p.dtype, p.device) for p in leftovers):
-            group = [p for p in leftovers if (p.dtype, p.device) == key]
-            flat = torch.cat([p.grad.reshape(-1) for p in group]).div_(self.world_size)
-            dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for p in group:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        self._covered, self._updated, self._runs = [], set(), []
+        self._compiled_this_step = False
+
+    def _finish_backward(self) -> None:
+        """Reduce what the graphs did not reduce alone (see the Note)."""
+        covered = frozenset().union(*self._covered)
+        self._covered = []
+        self._put_back_stash()
+        if self._probe is not None:
+            found = self._probe.close()
+            self._probe = None
+            self._learn_outside(found)
+        late = [self.names.get(i, "?") for i in self._updated if self._by_id[i].grad is not None]
+        if late:
+            raise RuntimeError(
+                f"parameters {late[:8]} were updated inside the backward with only their compiled graph's "
+                "gradient, but code outside the graph added to their gradient in this step (first seen now, "
+                "after the update was compiled). Their update missed that share. Use ddp='split', or "
+                "optimizer_in_backward=False, for a model whose parameters are used outside the compiled graph"
+            )
+        leftovers = [p for p in self.params if id(p) not in covered or id(p) in self.outside]
+        self.last_leftovers = self._leftovers.reduce(leftovers, self.reduction.wire_dtype)
+        self.grads_kept = sum(p.grad is not None for p in self.params)
+
+    def _learn_outside(self, found: set[int]) -> None:
+        mine = sorted(self.names.get(i, "?") for i in found)
+        everyone = self.agreement.exchange("outside gradients", mine)
+        names = sorted(set().union(*everyone.values()))
+        by_name = {self.names.get(id(p)): p for p in self.params}
+        new = {id(by_name[n]): n for n in names if n in by_name and id(by_name[n]) not in self.outside}
+        if new:
+            self.outside.update(new)
+            log.warning(
+                "compile_core: ddp='in_graph': %s also get gradients from outside a single compiled graph "
+                "(eager code, an auxiliary loss, another graph); they are all-reduced after the backward, "
+                "as DDP reduces their total", sorted(new.values()))
+
+
+def _describe_signature(signature: tuple) -> str:
+    if not signature:
+        return "no compiled graph with collectives"
+    graphs = []
+    for buckets, wire in signature:
+        names = [n for b in buckets for n in b]
+        graphs.append(f"{len(buckets)} bucket(s) [{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}] ({wire})")
+    return "; ".join(graphs)
 
 
 def _add_input(inputs: list, extras: list, example: torch.Tensor, make: Callable[[], torch.Tensor]) -> int:

@@ -13,6 +13,7 @@ numbers, and `assert_reduced_once` catches a bucket reduced twice (which averagi
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import time
 import traceback
@@ -66,6 +67,28 @@ class BucketLog:
         return self
 
 
+class CollectiveLog:
+    """Per step, from torch.profiler: how many gloo/nccl all-reduces ran and whether DDP's reducer did any
+    bucket work (its `torch.distributed.ddp.reducer::` events).
+
+    For ddp="in_graph", where a comm hook would be the user's code and change what runs, this proves
+    the reducer idled without registering anything on the DDP object.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+
+    @contextlib.contextmanager
+    def step(self):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            yield
+        names = [e.name for e in prof.events()]
+        self.steps.append({
+            "all_reduces": sum(1 for n in names if n in ("gloo:all_reduce", "nccl:all_reduce")),
+            "ddp_reducer": sum(1 for n in names if n.startswith("torch.distributed.ddp.reducer::")),
+        })
+
+
 def logging_allreduce(state: BucketLog, bucket):
     state.steps[-1].append((bucket.index(), [state.names[id(p)] for p in bucket.parameters()]))
     buf = bucket.buffer().div_(dist.get_world_size())
@@ -113,7 +136,8 @@ def train_against_eager(
     ours = DDP(model, **(ddp_kwargs or {}))
     theirs = DDP(ref, **(ddp_kwargs or {}))
     other_ddps = {n: DDP(m, **(ddp_kwargs or {})) for n, m in others.items()}
-    log = BucketLog(model).attach(ours)
+    in_graph = compile_kwargs.get("ddp") == "in_graph"  # a comm hook would change what in_graph runs
+    log = CollectiveLog() if in_graph else BucketLog(model).attach(ours)
     compiled = compile_core.compile(ours, **compile_kwargs)
     forward = ours if call_ddp_directly else compiled
     initial = snapshot(model)
@@ -127,10 +151,14 @@ def train_against_eager(
     for step in range(steps):
         inputs = make_input(step)
         for key, run in runs.items():
+            watch = contextlib.nullcontext()
             if key == "ours":
-                log.new_step()
-            loss = loss_fn(run(*inputs))
-            loss.backward()
+                watch = log.step() if in_graph else contextlib.nullcontext()
+                if not in_graph:
+                    log.new_step()
+            with watch:
+                loss = loss_fn(run(*inputs))
+                loss.backward()
             if key == "ours":
                 grad_storage = _grad_storage_groups(model)
             opts[key].step()

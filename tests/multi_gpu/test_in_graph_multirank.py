@@ -4,7 +4,7 @@ Every scenario trains compiled DDP in `in_graph` mode and eager DDP from the sam
 rank-dependent data (3 SGD-momentum steps unless said otherwise), in the same processes, and checks:
   * parameters, buffers and losses equal eager DDP's (rtol 1e-5; the training update within 1e-4 of
     eager's) and are identical on both ranks, though each rank saw other data;
-  * DDP's reducer all-reduced nothing (a comm hook registered on the DDP object never ran): every
+  * DDP's reducer all-reduced nothing (torch.profiler saw none of its bucket events): every
     reduction happened inside the compiled backward;
   * each graph is one piece, its in-graph buckets hold every reduced parameter exactly once, and both
     ranks compiled the same graphs and buckets.
@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from examples.gpt import GPT, GPTConfig
 from tests.multi_gpu.ddp_compare import (
-    BucketLog,
+    CollectiveLog,
     assert_matches_eager,
     ok,
     run_scenarios,
@@ -90,7 +90,7 @@ def _accumulate(rank: int, accum: int = 2, updates: int = 3) -> dict:
     ref = copy.deepcopy(model)
     initial = snapshot(model)
     ours, theirs = DDP(model), DDP(ref)
-    log = BucketLog(model).attach(ours)
+    log = CollectiveLog()
     compiled = compile_core.compile(ours, backend="aot_eager", ddp="in_graph", bucket_cap_mb=CAP_MB)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref)]
     losses: dict[str, list[float]] = {"ours": [], "ref": []}
@@ -98,9 +98,8 @@ def _accumulate(rank: int, accum: int = 2, updates: int = 3) -> dict:
         x = batch(step, rank)
         last = (step + 1) % accum == 0
         for key, run, ddp, opt in (("ours", compiled, ours, opts[0]), ("ref", theirs, theirs, opts[1])):
-            if key == "ours":
-                log.new_step()
-            with ddp.no_sync() if not last else contextlib.nullcontext():
+            watch = log.step() if key == "ours" else contextlib.nullcontext()
+            with watch, ddp.no_sync() if not last else contextlib.nullcontext():
                 loss = run(*x).square().mean()
                 (loss / accum).backward()
             losses[key].append(loss.item())
@@ -142,8 +141,9 @@ def results():
 def _assert_reduced_in_graph(per_rank: list[dict], *, graphs: int = 1, not_reduced: tuple[str, ...] = ()) -> None:
     """DDP's reducer idled; the in-graph buckets cover each reduced parameter once; ranks agree."""
     for rank, r in enumerate(per_rank):
-        assert all(step == [] for step in r["reduced"]), f"rank {rank}: DDP's reducer all-reduced {r['reduced']}"
+        assert all(step["ddp_reducer"] == 0 for step in r["reduced"]), f"rank {rank}: DDP's reducer ran: {r['reduced']}"
         report = r["report"]
+        assert report["in_graph"]["reducer"] == "compiled backward", report["in_graph"]
         assert report["alignment"]["status"] == "not applicable"
         sync_graphs = [g for g in report["graphs"] if g.get("variant", "").startswith("reduce")]
         assert len({g["name"] for g in sync_graphs}) >= graphs
@@ -166,6 +166,8 @@ def test_mlp_is_reduced_in_the_backward_and_matches_eager_ddp(results):
     _assert_reduced_in_graph(per_rank)
     buckets = per_rank[0]["report"]["graphs"][0]["buckets"]
     assert len(buckets) >= 4, f"cap {CAP_MB} MB should give one bucket per layer: {buckets}"
+    for r in per_rank:  # one all-reduce per in-graph bucket per step, nothing else
+        assert [s["all_reduces"] for s in r["reduced"]] == [len(buckets)] * len(r["reduced"]), r["reduced"]
 
 
 def test_gpt_matches_eager_ddp(results):

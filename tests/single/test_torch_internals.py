@@ -10,6 +10,7 @@ import inspect
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aot import torch_dynamo
@@ -60,6 +61,45 @@ def test_comm_hooks_lists_registered_hooks():
         assert torch_ddp.comm_hooks(ddp) == [(hook, state)]
 
 
+def test_builtin_comm_hooks_are_seen_through_ddps_logger():
+    with canary("ddp/torch_ddp.py:builtin_comm_hook"):
+        ddp = two_layers()
+        assert torch_ddp.builtin_comm_hook(ddp) is None
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        assert torch_ddp.builtin_comm_hook(ddp) is None  # a Python hook is listed in _comm_hooks
+        other = two_layers()
+        other._register_builtin_comm_hook(torch.distributed.BuiltinCommHookType.FP16_COMPRESS)
+        assert "FP16" in torch_ddp.builtin_comm_hook(other)
+
+
+def test_compress_wrappers_reveal_their_dtype_and_inner_hook():
+    with canary("ddp/torch_ddp.py:compress_wrapper_parts"):
+        assert torch_ddp.compress_wrapper_parts(default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)) == (
+            torch.float16, default_hooks.allreduce_hook)
+        assert torch_ddp.compress_wrapper_parts(default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)) == (
+            torch.bfloat16, default_hooks.allreduce_hook)
+        assert torch_ddp.compress_wrapper_parts(default_hooks.fp16_compress_hook) is None
+
+
+def test_a_static_graph_ddp_queues_no_delayed_reduce_once_marked():
+    with canary("ddp/torch_ddp.py:keep_static_graph_reducer_idle"):
+        ddp = DDP(nn.Linear(4, 4), static_graph=True)
+        torch_ddp.keep_static_graph_reducer_idle(ddp)
+        with ddp.no_sync():  # the reducer is not prepared: a queued _delay_all_reduce would assert
+            ddp(torch.randn(2, 4)).sum().backward()
+        assert ddp._static_graph_delay_allreduce_enqueued is True
+
+
+def test_the_compiled_functions_autograd_node_and_its_parameter_edges():
+    with canary("aot/torch_dynamo.py:compiled_backward_node/param_edges"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        out = torch.compile(model, backend="aot_eager")(torch.randn(3, 4))
+        node = torch_dynamo.compiled_backward_node(out)
+        assert node is not None
+        assert {id(p) for _, p in torch_dynamo.param_edges(node)} == {id(p) for p in model.parameters()}
+        assert torch_dynamo.compiled_backward_node(torch.randn(2)) is None
+
+
 def test_ignored_names_are_ddps_parameters_to_ignore():
     with canary("ddp/torch_ddp.py:ignored_names"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
@@ -82,7 +122,7 @@ def test_reducer_swap_blocker_reads_ddp_flags(kwargs, words):
     with canary("ddp/torch_ddp.py:reducer_swap_blocker"):
         ddp = DDP(nn.Linear(4, 4), **kwargs)
         blocker = torch_ddp.reducer_swap_blocker(ddp)
-        assert (blocker is None) if words is None else (words in blocker)
+        assert (blocker is None) if words is None else (blocker.option == words and words in blocker.text)
 
 
 def test_reducer_takes_our_keywords():
@@ -394,6 +434,33 @@ def test_the_ordering_op_is_cacheable_under_the_partitioner_patch():
         assert not control_deps.cacheable()
         with torch._inductor.config.patch(unsafe_marked_cacheable_functions=patch["unsafe_marked_cacheable_functions"]):
             assert control_deps.cacheable()
+
+
+def test_a_users_own_partitioner_and_cacheable_functions_are_kept_under_our_patch():
+    """Our patch builds on the user's Inductor settings instead of replacing them."""
+    with canary("inductor/torch_inductor.py:partitioner_patch (user settings)"):
+        class UserPartitioner:
+            def __call__(self, gm, inputs, **kwargs):
+                return ("user's", gm)
+
+            def uuid(self):
+                return "user-uuid"
+
+        seen = {}
+
+        def ours(gm, inputs, *, base=None, **kwargs):
+            seen["base"] = base
+            return base(gm, inputs, **kwargs)
+
+        user = UserPartitioner()
+        patch = torch_inductor.partitioner_patch(ours, "ours", {
+            "custom_partitioner_fn": user, "unsafe_marked_cacheable_functions": {"my.op": "1"}})
+        assert patch["custom_partitioner_fn"]("gm", []) == ("user's", "gm") and seen["base"] is user
+        assert "user-uuid" in patch["custom_partitioner_fn"].uuid()  # their partitioner shapes the cache key
+        cacheable = patch["unsafe_marked_cacheable_functions"]
+        assert cacheable["my.op"] == "1" and torch_inductor.control_deps_name() in cacheable
+        with torch._inductor.config.patch(custom_partitioner_fn=user):  # set globally: found there too
+            assert torch_inductor.partitioner_patch(ours, "ours")["custom_partitioner_fn"]("gm", [])[0] == "user's"
 
 
 def test_the_default_store_and_the_end_of_backward_queue():

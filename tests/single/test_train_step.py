@@ -282,7 +282,8 @@ def test_recompile_counter_sees_real_recompiles():
 
 
 def test_foreach_adamw_with_scheduler_matches_eager_and_checkpoints_user_flags():
-    """foreach=True refuses a tensor LR unless capturable=True: we set it, the checkpoint hides it."""
+    """foreach=True refuses a tensor LR unless capturable=True: our compiled update sets it while it
+    runs; the live groups and the checkpoint keep the user's flags and floats."""
     data = batches(6)
 
     def setup():
@@ -300,7 +301,7 @@ def test_foreach_adamw_with_scheduler_matches_eager_and_checkpoints_user_flags()
     assert_params_close(model, ref_model)
     opt_report = step.report().to_dict()["optimizer"]
     assert opt_report["compiled"] and [r for r in opt_report["recompiles"] if r["update"] > 2] == []
-    assert opt.param_groups[0]["capturable"] is True
+    assert opt.param_groups[0]["capturable"] is False and isinstance(opt.param_groups[0]["lr"], float)
     saved = opt.state_dict()["param_groups"][0]
     assert saved["capturable"] is False and saved["foreach"] is True and isinstance(saved["lr"], float)
 
@@ -382,6 +383,55 @@ def test_autocast_bfloat16_matches_eager_ddp():
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-3, atol=1e-4)
     assert not torch.allclose(torch.stack(ref_losses), torch.stack(fp32_losses), rtol=1e-4, atol=1e-6)
     assert_params_close(model, ref_model, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
+def test_fp16_autocast_with_a_grad_scaler_matches_the_eager_amp_recipe(opt_name):
+    """fp16 autocast needs loss scaling: train_step runs torch's recipe (scale, unscale for the clip,
+    scaler.step, scaler.update), as the eager loop does."""
+    data = batches(4)
+    model, opt, _ = make_setup(opt_name)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND, autocast=torch.float16, grad_scaler=scaler,
+                      clip_grad_norm=0.5)
+    for x, y in data:
+        step(x, y)
+    ref_model, ref_opt, _ = make_setup(opt_name)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(ref_model(x), y)
+        ref_scaler.scale(loss).backward()
+        ref_scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad(set_to_none=True)
+    assert_params_moved(model)
+    assert_params_close(model, ref_model, rtol=1e-3, atol=1e-4)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    assert "GradScaler" in step.report().to_dict()["optimizer"]["fallback_error"]
+
+
+def test_the_users_optimizer_and_scheduler_keep_working_after_train_step():
+    """After compiled updates, the user's objects behave as in plain PyTorch: floats in param_groups,
+    get_last_lr() floats, a direct optimizer.step(), a second optimizer over the same parameters."""
+    model = DDP(tiny_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    sched = CosineAnnealingLR(opt, T_max=6)
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND, lr_scheduler=sched)
+    for x, y in batches(3):
+        step(x, y)
+    group = opt.param_groups[0]
+    assert isinstance(group["lr"], float) and group["capturable"] is False
+    assert all(isinstance(b, float) for b in group["betas"])
+    assert all(isinstance(v, float) for v in sched.get_last_lr())
+    x, y = batches(1, seed=7)[0]
+    F.mse_loss(model(x), y).backward()
+    opt.step()  # foreach with a tensor lr and capturable=False would raise here
+    second = torch.optim.AdamW(model.parameters(), lr=group["lr"], foreach=True)
+    second.step()
+    assert isinstance(opt.state_dict()["param_groups"][0]["lr"], float)
 
 
 # -- checkpoint / resume ------------------------------------------------------------------------------
@@ -528,6 +578,8 @@ def no_compile(monkeypatch):
         (dict(clip_grad_norm=math.inf), ValueError, r"clip_grad_norm=inf"),
         (dict(autocast=torch.int8), ValueError, r"autocast=torch.int8"),
         (dict(ddp="sometimes"), ValueError, r"ddp='sometimes'"),
+        (dict(autocast=torch.float16), ValueError, r"autocast=torch.float16 needs loss scaling.*GradScaler"),
+        (dict(grad_scaler="yes"), TypeError, r"grad_scaler=str: expected a torch.amp.GradScaler"),
     ],
 )
 def test_bad_arguments_are_rejected(no_compile, kwargs, error, pattern):

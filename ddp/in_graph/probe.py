@@ -1,0 +1,72 @@
+"""Find the parameters whose gradient does not come from exactly one compiled graph.
+
+Note [Gradients from outside the compiled graph]
+------------------------------------------------
+Background: the compiled backward all-reduces the gradients it computes. Autograd adds every other
+contribution to a parameter's gradient later, at the parameter's AccumulateGrad node: an auxiliary
+loss term on `head.bias`, code Dynamo ran eagerly at a graph break, a second graph using the same
+parameter. DDP reduces the *total* (its hooks sit after that sum), so for such a parameter the
+graph's reduced share plus a rank-local remainder is wrong.
+
+Algorithm, for one backward (armed after the forward, removed at its end):
+  * a post-hook on each compiled graph's autograd node records the gradient it hands to each
+    parameter's AccumulateGrad (holding a reference, so autograd cannot add another contribution
+    into that very tensor in place);
+  * a pre-hook on each parameter the graphs reduce sees what AccumulateGrad is about to receive.
+    If it is the graph's own tensor, the graph was the only producer; anything else (a sum, or a
+    tensor without a recorded one) means another producer. The reference is dropped right there,
+    so AccumulateGrad still steals the tensor instead of copying it.
+No value is compared: the test is object identity, exact and O(1) per parameter.
+
+Notes: probing costs a Python hook per parameter, so it runs only on the steps where the set of
+graphs a rank runs changes (the first step, a recompile with new buckets), never in steady state.
+What it finds is reduced after the backward from then on (`ddp/in_graph/leftovers.py`), which is
+right whatever share the graph already reduced: the graph's share is the same on every rank, so
+averaging `share + rest` over the ranks gives `share + mean(rest)`, DDP's total.
+
+Debugging: `report()["in_graph"]["outside_graph"]` lists what was found.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from aot.torch_dynamo import compiled_backward_node, param_edges
+
+
+class OutsideGradientProbe:
+    """Armed for one backward over the graphs' outputs and the parameters they reduce (see the Note)."""
+
+    def __init__(self, graph_outputs: Iterable[Any], params: Iterable[torch.nn.Parameter]) -> None:
+        self._given: dict[int, list[torch.Tensor | None]] = {}
+        self.found: set[int] = set()
+        """Ids of parameters with another producer (complete once the backward ended)."""
+        self._handles = []
+        nodes = {id(n): n for n in (compiled_backward_node(out) for out in graph_outputs) if n is not None}
+        for node in nodes.values():
+            edges = param_edges(node)
+            self._handles.append(node.register_hook(self._graph_done(edges)))
+        for p in params:
+            self._handles.append(p.register_hook(self._arriving(p)))
+
+    def _graph_done(self, edges: list[tuple[int, torch.Tensor]]):
+        def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
+            for i, param in edges:
+                self._given.setdefault(id(param), []).append(grad_inputs[i])
+        return hook
+
+    def _arriving(self, param: torch.nn.Parameter):
+        def hook(total: torch.Tensor) -> None:
+            given = self._given.pop(id(param), [])
+            if len(given) != 1 or given[0] is not total:
+                self.found.add(id(param))
+        return hook
+
+    def close(self) -> set[int]:
+        """Remove every hook; the ids found."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._given.clear()
+        return self.found

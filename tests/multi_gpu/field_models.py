@@ -1,0 +1,125 @@
+"""Models, data, losses and hooks of the field scripts the in-graph tests replay (tests/multi_gpu/user_script.py).
+
+Each is a pattern real training scripts contain: an auxiliary loss on a model parameter, a branch that
+joins late or leaves, experts switched per step, eager code at a graph break, a custom comm hook.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tests.multi_gpu.models import WIDTH, mlp
+
+OUT = 8
+
+
+class Headed(nn.Module):
+    """A body and a head: `head.bias` is what auxiliary losses like to touch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(3)
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+class Branchy(nn.Module):
+    """`extra` runs only while `use_extra` is set (a Python flag: Dynamo compiles one graph per value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.extra = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, OUT)
+        self.use_extra = False
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.head(torch.tanh(self.b(h)))
+
+
+class Experts(nn.Module):
+    """Two experts of the same shape, one used per step (`expert`, a Python int set by the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+        self.head = nn.Linear(WIDTH, OUT)
+        self.expert = 0
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.experts[self.expert](h))
+        return self.head(h)
+
+
+class EagerScale(nn.Module):
+    """`head.weight` is used in the compiled graph and again by code Dynamo runs eagerly (a disabled frame)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(2)
+        self.head = nn.Linear(WIDTH, OUT)
+
+    @torch.compiler.disable
+    def scale(self, h):
+        return h * (1 + self.head.weight.mean())
+
+    def forward(self, x):
+        h = self.scale(torch.tanh(self.body(x)))
+        return self.head(h)
+
+
+class Mixed(nn.Module):
+    """fp32 and bf16 layers: DDP never mixes dtypes in a bucket, nor may an optimizer template."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH).to(torch.bfloat16)
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)).to(torch.bfloat16)
+        return self.head(torch.tanh(self.b(h)).float())
+
+
+def regression_data(rank: int, n: int, device: torch.device) -> list:
+    g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
+    return [((torch.randn(8, WIDTH, generator=g).to(device),), torch.randn(8, OUT, generator=g).to(device))
+            for _ in range(n)]
+
+
+def aux_on_head_bias(out, target, model, step):
+    """mse + a rank-dependent auxiliary term on `head.bias`, computed outside the model (eager code)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    weights = torch.linspace(-1, 1, OUT, device=out.device) * (rank + 1) * (step + 1)
+    return torch.nn.functional.mse_loss(out, target) + 0.1 * (model.head.bias * weights).sum()
+
+
+class Halve:
+    """A custom comm hook's state: DDP's all-reduce, then scale the result by 0.5."""
+
+
+def halve_hook(state, bucket):
+    buf = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0].mul_(0.5))
+
+
+def bf16_by_hand(state, bucket):
+    """What DDP's bf16_compress_hook does (DDP refuses that hook without CUDA + NCCL, so CPU tests
+    use this copy of its steps): cast to bf16, divide by the world size, all-reduce, cast back."""
+    buf = bucket.buffer()
+    low = buf.to(torch.bfloat16).div_(dist.get_world_size())
+
+    def back(fut):
+        buf.copy_(fut.value()[0])
+        return buf
+
+    return dist.all_reduce(low, async_op=True).get_future().then(back)

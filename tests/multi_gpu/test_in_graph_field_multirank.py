@@ -1,0 +1,200 @@
+"""`ddp="in_graph"` on field scripts: every DDP option and pattern gives eager DDP's parameters, or is refused.
+
+Each scenario replays a user's eager DDP loop (tests/multi_gpu/user_script.py) through
+`compile_core.compile(ddp, ddp="in_graph")` on 2 ranks with rank-dependent data, 3 SGD-momentum
+updates, and compares the parameters with the same loop run eagerly on the same DDP options, comm hook
+and optimizer. All scenarios run in one 2-rank launch (module-scoped fixture).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from tests.multi_gpu.ddp_compare import ok, run_scenarios
+from tests.multi_gpu.field_models import (
+    Branchy,
+    EagerScale,
+    Experts,
+    Halve,
+    Headed,
+    aux_on_head_bias,
+    bf16_by_hand,
+    halve_hook,
+    regression_data,
+)
+from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
+from tests.ranks import run_ranks
+
+pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(480)]
+
+CAP_MB = 0.015  # one Linear(64, 64) per bucket
+
+
+def _script(**kwargs) -> Script:
+    kwargs.setdefault("make_model", Headed)
+    kwargs.setdefault("data", regression_data)
+    return Script(**kwargs)
+
+
+def _in_graph(rank: int, script: Script, **kwargs) -> dict:
+    kwargs.setdefault("bucket_cap_mb", CAP_MB)
+    return run_against_eager(script, rank, how="compile", ddp="in_graph", **kwargs)
+
+
+def _branch_on(first: int, last: int = 10**9):
+    def before(model, step):
+        model.use_extra = first <= step <= last
+    return before
+
+
+def _alternate(model, step):
+    model.expert = step % 2
+
+
+SCENARIOS = {
+    "aux_loss_on_head_bias": lambda r: _in_graph(r, _script(loss=aux_on_head_bias)),
+    "eager_code_at_a_graph_break": lambda r: _in_graph(r, _script(make_model=EagerScale)),
+    "static_graph": lambda r: _in_graph(r, _script(ddp_kwargs={"static_graph": True})),
+    "gradient_as_bucket_view": lambda r: _in_graph(r, _script(ddp_kwargs={"gradient_as_bucket_view": True})),
+    "process_subgroup": lambda r: _in_graph(r, _script(group=lambda: dist.new_group([0, 1]))),
+    "fp16_compress_hook": lambda r: _in_graph(r, _script(
+        setup=lambda d: d.register_comm_hook(None, default_hooks.fp16_compress_hook))),
+    "fp16_wrapper_of_allreduce": lambda r: _in_graph(r, _script(
+        setup=lambda d: d.register_comm_hook(None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)))),
+    "reduce_dtype_bf16": lambda r: _in_graph(
+        r, _script(eager_setup=lambda d: d.register_comm_hook(None, bf16_by_hand)), reduce_dtype=torch.bfloat16),
+    "custom_comm_hook": lambda r: _in_graph(r, _script(setup=lambda d: d.register_comm_hook(Halve(), halve_hook))),
+    "branch_joins_late": lambda r: _in_graph(r, _script(
+        make_model=Branchy, before_step=_branch_on(2), ddp_kwargs={"find_unused_parameters": True})),
+    "branch_leaves": lambda r: _in_graph(r, _script(
+        make_model=Branchy, before_step=_branch_on(0, 1), steps=4, ddp_kwargs={"find_unused_parameters": True})),
+    "experts_switch_per_step": lambda r: _in_graph(r, _script(
+        make_model=Experts, before_step=_alternate, steps=4, ddp_kwargs={"find_unused_parameters": True})),
+    "fallback_backend": lambda r: _in_graph(r, _script(), backend=lambda gm, inputs: gm.forward),
+    "long_run": lambda r: _long_run(r),
+}
+
+
+def _long_run(rank: int, steps: int = 1000) -> dict:
+    """1000 steps with a parameter reduced after the backward every step (an auxiliary loss)."""
+    import time
+
+    import compile_core
+    from ddp import torch_ddp
+
+    torch.manual_seed(0)
+    model = Headed()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    compiled = compile_core.compile(ddp, backend="aot_eager", ddp="in_graph", bucket_cap_mb=CAP_MB)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    (x,), y = regression_data(rank, 1, torch.device("cpu"))[0]
+    store = torch_ddp.default_store()
+    keys, step_seconds = {}, []
+    for i in range(steps):
+        start = time.perf_counter()
+        aux_on_head_bias(compiled(x), y, model, 0).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_seconds.append(time.perf_counter() - start)
+        if i % 100 == 99:
+            keys[i + 1] = store.num_keys()
+    return {"keys": keys, "step_seconds": step_seconds, "exchanges": dict(compiled.in_graph.agreement._counts),
+            "leftovers": compiled.in_graph.last_leftovers}
+
+
+def _all(rank: int, world_size: int) -> dict:
+    return run_scenarios(SCENARIOS, rank)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all, world_size=2, timeout=460)
+
+
+def _reduced_in_graph(report: dict) -> set[str]:
+    return {n for g in report["graphs"] if g.get("variant", "").startswith("reduce")
+            for b in g["buckets"] for n in b["params"]}
+
+
+def test_an_auxiliary_loss_on_a_model_parameter_is_reduced_whole(results):
+    """head.bias gets a gradient from the graph and from the loss code: DDP averages the total."""
+    per_rank = ok(results, "aux_loss_on_head_bias")
+    assert_like_eager(per_rank)
+    report = per_rank[0]["report"]
+    assert "head.bias" in report["in_graph"]["outside_graph"], report["in_graph"]
+    assert "head.weight" in _reduced_in_graph(report)  # the rest still reduced inside the backward
+
+
+def test_a_parameter_used_again_by_eager_code_at_a_graph_break(results):
+    per_rank = ok(results, "eager_code_at_a_graph_break")
+    assert_like_eager(per_rank)
+    assert "head.weight" in per_rank[0]["report"]["in_graph"]["outside_graph"]
+
+
+def test_static_graph(results):
+    per_rank = ok(results, "static_graph")
+    assert_like_eager(per_rank)
+    assert _reduced_in_graph(per_rank[0]["report"])
+
+
+def test_gradient_as_bucket_view(results):
+    assert_like_eager(ok(results, "gradient_as_bucket_view"))
+
+
+def test_a_process_subgroup(results):
+    per_rank = ok(results, "process_subgroup")
+    assert_like_eager(per_rank)
+    assert _reduced_in_graph(per_rank[0]["report"])
+
+
+@pytest.mark.parametrize("name", ["fp16_compress_hook", "fp16_wrapper_of_allreduce"])
+def test_fp16_compression_is_compiled_into_the_backward(results, name):
+    per_rank = ok(results, name)
+    # eager DDP with the same hook, to the bit on aot_eager: same casts, same division, same sums
+    assert_like_eager(per_rank, rtol=1e-6, atol=1e-7)
+    report = per_rank[0]["report"]
+    assert report["in_graph"]["reduce_dtype"] == "torch.float16", report["in_graph"]
+    assert _reduced_in_graph(report)
+
+
+def test_reduce_dtype_bf16_equals_ddps_bf16_compression(results):
+    per_rank = ok(results, "reduce_dtype_bf16")
+    assert_like_eager(per_rank, rtol=1e-6, atol=1e-7)
+
+
+def test_a_custom_comm_hook_runs_through_ddps_reducer_and_says_so(results):
+    per_rank = ok(results, "custom_comm_hook")
+    assert_like_eager(per_rank)
+    report = per_rank[0]["report"]
+    assert report["in_graph"]["reducer"] == "ddp", report["in_graph"]
+    assert "halve_hook" in report["in_graph"]["reason"]
+    assert not _reduced_in_graph(report)
+
+
+@pytest.mark.parametrize("name", ["branch_joins_late", "branch_leaves", "experts_switch_per_step"])
+def test_find_unused_parameters_with_a_changing_graph(results, name):
+    assert_like_eager(ok(results, name))
+
+
+def test_a_backend_that_cannot_place_collectives_falls_back_loudly(results):
+    per_rank = ok(results, "fallback_backend")
+    assert_like_eager(per_rank)
+    report = per_rank[0]["report"]
+    assert report["in_graph"]["fallbacks"], report["in_graph"]
+
+
+def test_a_long_run_with_leftovers_stays_flat(results):
+    """Nothing grows per step: no store key is left behind, no exchange runs once the graphs are
+    agreed, and the steps do not slow down (no per-step polling or exchange)."""
+    import statistics
+
+    for r in ok(results, "long_run"):
+        assert r["leftovers"] == ["head.bias"], r["leftovers"]
+        counts = list(r["keys"].values())
+        assert counts[1:] == counts[1:2] * (len(counts) - 1), f"store keys grow: {r['keys']}"
+        assert sum(r["exchanges"].values()) <= 4, r["exchanges"]  # graphs + outside-gradient probe, once
+        early = statistics.median(r["step_seconds"][100:300])
+        late = statistics.median(r["step_seconds"][800:1000])
+        assert late < 2 * early + 1e-3, f"steps slowed down: median {early * 1e3:.2f} ms -> {late * 1e3:.2f} ms"

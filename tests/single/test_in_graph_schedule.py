@@ -1,0 +1,88 @@
+"""The compiled backward of `ddp="in_graph"`, read node by node: where each all-reduce is issued, where it
+is waited for, and (optimizer in the backward) where each bucket's update runs.
+
+One process with a world-size-1 group: the schedule is a property of the graph, not of the data.
+The backward graphs are the ones AOTAutograd handed to the (aot_eager) compiler, after our pass.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import compile_core
+
+pytestmark = pytest.mark.usefixtures("pg")
+
+_c10d = torch.ops._c10d_functional
+_GRAD_OPS = {torch.ops.aten.mm.default, torch.ops.aten.sum.dim_IntList}
+"""The ops of an MLP's backward that produce parameter gradients (weights: mm, biases: sum)."""
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(16, 64)]
+    for _ in range(4):
+        layers += [nn.GELU(), nn.Linear(64, 64)]
+    return nn.Sequential(*layers, nn.GELU(), nn.Linear(64, 8))
+
+
+def _backwards(optimizer_in_backward: bool) -> list[torch.fx.GraphModule]:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = compile_core.train_step(DDP(model), opt, F.mse_loss, backend="aot_eager", ddp="in_graph",
+                                   optimizer_in_backward=optimizer_in_backward, bucket_cap_mb=0.015)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        step(torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g))
+    return [p.backward for p in step.compiled_model.report().pairs if p.backward is not None]
+
+
+def _is(node: torch.fx.Node, op) -> bool:
+    if node.target is op:
+        return True
+    # A node pinned by `order_after` is wrapped in the control_deps higher-order op, named after it.
+    return getattr(node.target, "__name__", "") == "control_deps" and node.name.startswith(op.__name__.split(".")[0])
+
+
+def test_each_bucket_is_all_reduced_as_soon_as_its_gradients_exist_and_waited_for_last():
+    backward = _backwards(optimizer_in_backward=False)[-1]
+    nodes = list(backward.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    issues = [n for n in nodes if _is(n, _c10d.all_reduce.default)]
+    waits = [n for n in nodes if _is(n, _c10d.wait_tensor.default)]
+    grads = [n for n in nodes if n.target in _GRAD_OPS]
+    assert len(issues) >= 4, f"expected one bucket per layer, got {len(issues)} all-reduce(s)"
+    last_grad = at[grads[-1]]
+    # every bucket but the last is on the wire while the backward still computes gradients
+    assert all(at[n] < last_grad for n in issues[:-1]), [n.name for n in issues]
+    # between two issues the backward computed more gradients: the all-reduces are spread over the
+    # backward, not batched at its end
+    for a, b in zip(issues, issues[1:]):
+        assert any(at[a] < at[g] < at[b] for g in grads), f"{a.name} and {b.name} were issued back to back"
+    # waits as late as possible: after the last gradient op and after every issue
+    assert min(at[w] for w in waits) > max(last_grad, *(at[n] for n in issues))
+
+
+def test_with_the_optimizer_in_the_backward_each_update_follows_its_own_wait_in_a_pipeline():
+    backward = _backwards(optimizer_in_backward=True)[-1]
+    nodes = list(backward.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    issues = [n for n in nodes if _is(n, _c10d.all_reduce.default)]
+    waits = [n for n in nodes if _is(n, _c10d.wait_tensor.default)]
+    updates = [n for n in nodes if n.target is torch.ops.aten.copy_.default]
+    assert len(waits) == len(issues) >= 4 and updates, (len(issues), len(waits), len(updates))
+    grads = [n for n in nodes if n.target in _GRAD_OPS]
+    assert all(at[n] < at[grads[-1]] for n in issues[:-1])
+    for k, wait in enumerate(waits):
+        # wait k comes after issue k+1 (the next bucket is on the wire while bucket k updates) ...
+        if k + 1 < len(issues):
+            assert at[wait] > at[issues[k + 1]], f"wait {k} before issue {k + 1}"
+        # ... and bucket k's update runs between its wait and the next wait
+        end = at[waits[k + 1]] if k + 1 < len(waits) else len(nodes)
+        assert any(at[wait] < at[u] < end for u in updates), f"no update between wait {k} and the next"
+    # no parameter gradient is returned: each updated parameter's gradient died inside the graph
+    params = sum(1 for _ in _mlp().parameters())
+    assert sum(v is None for v in nodes[-1].args[0]) >= params, nodes[-1].args[0]
