@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 _models = itertools.count()
 """Numbers compiled models in creation order: every rank creates them in the same order, so the
 number names the same model on every rank (the prefix of its rank-agreement keys)."""
-_VARIANT_GUARD = "ddp_compile_variant"
-"""Name of the entry's closure variable holding the in-graph variant; guard failures on it are
-variant switches (one compile per variant), not recompiles."""
 
 
 def compile(
@@ -95,7 +92,7 @@ class CompiledModel:
             if blocker is not None:
                 raise ValueError(f"ddp='in_graph' cannot keep DDP's behaviour here: {blocker.text}; use ddp='split'")
         self._log = CompileLog()
-        self._events = CompileEvents(expected_guard=_VARIANT_GUARD)
+        self._events = CompileEvents()
         self._calls = 0
         self._agreement = (
             RankAgreement(self._ddp.process_group, prefix=f"ddp_compile/model{next(_models)}")
@@ -118,6 +115,8 @@ class CompiledModel:
                 reduce_dtype=config.reduce_dtype,
             )
             backend = self._in_graph_graph
+            self._in_graph.guard_variant_in(inner)
+            self._events.expected_switch = self._in_graph.first_call_in_variant
         else:
             splitter_config = SplitterConfig(
                 bucket_cap_bytes=cap, first_bucket_cap_bytes=first, param_names=names,
@@ -126,7 +125,7 @@ class CompiledModel:
             )
             backend = DDPSplitter(splitter_config, self._pieces, self._on_graph, compile_pieces=self._pieces.compile_many)
         self._compiled = self._events.compile(
-            _entry_for(inner, self._in_graph), backend, fullgraph=config.fullgraph, dynamic=config.dynamic,
+            _entry_for(inner), backend, fullgraph=config.fullgraph, dynamic=config.dynamic,
             on_compiled=self._graph_compiled,
         )
         inner._compiled_call_impl = self._run_inner
@@ -289,23 +288,9 @@ class CompiledModel:
         return f"CompiledModel(backend={self._config.backend_name!r}, ddp={self._mode!r}, model={type(self._model).__name__})"
 
 
-def _entry_for(inner: torch.nn.Module, in_graph: InGraphReducer | None) -> Callable[..., Any]:
+def _entry_for(inner: torch.nn.Module) -> Callable[..., Any]:
     # Our own frame, so Dynamo traces it (and inlines torch.nn code, nn.Sequential included).
-    if in_graph is None:
-        def compiled_entry(*args: Any, **kwargs: Any) -> Any:
-            return inner._call_impl(*args, **kwargs)
-
-        return compiled_entry
-
-    ddp_compile_variant = in_graph  # the name `_VARIANT_GUARD` looks for in guard failures
-
-    def compiled_in_graph_entry(*args: Any, **kwargs: Any) -> Any:
-        # Branching on the variant makes Dynamo guard on it: one cache entry per variant.
-        variant = ddp_compile_variant.variant
-        if variant == "reduce":
-            return inner._call_impl(*args, **kwargs)
-        if variant == "reduce_acc":
-            return inner._call_impl(*args, **kwargs)
+    def compiled_entry(*args: Any, **kwargs: Any) -> Any:
         return inner._call_impl(*args, **kwargs)
 
-    return compiled_in_graph_entry
+    return compiled_entry

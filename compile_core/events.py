@@ -27,7 +27,7 @@ Backend = Callable[..., Callable[..., Any]]
 class CompileEvents:
     """What was compiled for one callable; filled by the backend wrapper and Dynamo's guard hook."""
 
-    def __init__(self, *, breaks_from: str = "graphs", expected_guard: str | None = None, name: str = "model") -> None:
+    def __init__(self, *, breaks_from: str = "graphs", name: str = "model") -> None:
         if breaks_from not in ("graphs", "counters"):
             raise ValueError(f"breaks_from={breaks_from!r}: use 'graphs' or 'counters'")
         self.name = name
@@ -36,8 +36,9 @@ class CompileEvents:
         self.breaks_from = breaks_from
         """'graphs': a break is read off each graph Dynamo hands us (with file:line); 'counters': only
         through `count_breaks()` (also sees breaks that produce no graph, e.g. in optimizer.step)."""
-        self.expected_guard = expected_guard
-        """A name in a guard's text whose failures are expected (a deliberate switch), not recompiles."""
+        self.expected_switch: Callable[[], bool] | None = None
+        """Asked at each guard failure: True when the call is a deliberate switch (the first call in an
+        in-graph variant), whose compiles are expected, not recompiles."""
         self.lock = threading.Lock()
         self.graphs = 0
         """Graphs the backend compiled (a split graph counts once)."""
@@ -126,7 +127,7 @@ class CompileEvents:
                         self._guard_failures.clear()
 
     def on_guard_fail(self, reason: str, where: str) -> None:
-        if self.expected_guard is not None and self.expected_guard in reason:
+        if self.expected_switch is not None and self.expected_switch():
             return
         with self.lock:
             self._guard_failures.append((reason, where))

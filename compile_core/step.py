@@ -91,6 +91,9 @@ class TrainStep:
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler
         self.compiled_model = _compile_model(model, config)
+        if getattr(self.compiled_model, "in_graph", None) is not None:
+            # nothing touches .grad between our forward and backward: accumulate inside the graph
+            self.compiled_model.in_graph.accumulate_in_graph = True
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device_type = _device_type(model)

@@ -16,8 +16,12 @@ Algorithm, per forward of the DDP model:
     variant. DDP's `require_backward_grad_sync` is off for the duration of its forward, exactly
     what `no_sync()` does, so its reducer stays idle. A comm hook we cannot compile
     (ddp/in_graph/policy.py) leaves everything to DDP's reducer instead ("local" graphs).
-  * "reduce_acc": the accumulated gradients are moved out of `.grad` into extra inputs of the
-    graph; its backward reduces `accumulated + this micro-batch` (ddp/in_graph/graph_pass.py).
+  * accumulation under `no_sync()`: in a train_step ("reduce_acc") the accumulated gradients are
+    moved out of `.grad` into extra inputs of the graph, whose backward reduces `accumulated + this
+    micro-batch` (ddp/in_graph/graph_pass.py). In a user's own loop, which may zero the gradients
+    between the forward and the backward (Lightning does), what `.grad` holds when the backward
+    begins is the accumulation: autograd adds the graph's reduced share to it, and the sum is
+    reduced after the backward (`share + mean(rest)`: the share is the same on every rank).
   * after DDP's forward, its flags are restored as its own forward would leave them. Then the
     graphs this rank ran (their buckets, by parameter name) are compared with the last set all
     ranks agreed on; when they differ (the first step, a new graph, a rank that took another
@@ -124,6 +128,14 @@ class InGraphReducer:
         self._updated: set[int] = set()  # param ids updated inside this step's backward
         self._agreed: tuple | None = None  # the graphs every rank ran, as last agreed
         self._compiled_this_step = False  # a compile may keep other ranks busy: wait longer for them
+        self._seen_variants: set[str] = set()
+        self._new_variant = False
+        self._had_grad: set[int] = set()  # covered params holding a .grad when the backward began
+        self.accumulate_in_graph = False
+        """True (train_step): nothing touches `.grad` between a forward and its backward, so gradients
+        accumulated under no_sync are handed to the graph at the forward and reduced with this
+        micro-batch inside it. False (a user's loop, which may zero gradients after the forward):
+        what `.grad` holds when the backward begins is reduced after the backward instead."""
         self._probe: OutsideGradientProbe | None = None
         self._armed = False
         self.sync_steps = 0
@@ -167,12 +179,14 @@ class InGraphReducer:
         if not sync:
             self.variant = "local"
         else:
-            accumulated = any(p.grad is not None for p in self.params)
+            accumulated = self.accumulate_in_graph and any(p.grad is not None for p in self.params)
             if accumulated:
                 self._stash = {id(p): p.grad for p in self.params if p.grad is not None}
                 for p in self.params:
                     p.grad = None
             self.variant = "reduce" + ("_acc" if accumulated else "") + ("_update" if self.updates else "")
+        self._new_variant = self.variant not in self._seen_variants
+        self._seen_variants.add(self.variant)
         self.ddp.require_backward_grad_sync = False
 
     def after_forward(self, output: Any) -> None:
@@ -206,7 +220,32 @@ class InGraphReducer:
     def _queue_finish(self, grad: torch.Tensor) -> None:
         if not self._armed:
             self._armed = True
+            if not self.accumulate_in_graph:
+                # The backward begins (no compiled graph has run yet): a gradient already held here
+                # was accumulated (and not zeroed since the forward); autograd adds this step's
+                # reduced share to it, and the sum is reduced after the backward.
+                self._had_grad = {i for covered in self._covered for i in covered if self._by_id[i].grad is not None}
             torch_ddp.queue_end_of_backward(self._finish_backward)
+
+    def guard_variant_in(self, module: torch.nn.Module) -> None:
+        """Make every frame Dynamo compiles inside `module` guard on the variant.
+
+        The compiled entry alone would not do: after a graph break, Dynamo compiles the rest of the
+        forward in frames of its own, which never read the variant and would run one variant's graph
+        in all of them. Each submodule's call reads it in a pre-hook (Dynamo inlines the hook, so
+        compiled code pays nothing; eager code pays one Python call per module call).
+        """
+        def read_variant(mod: torch.nn.Module, args: Any) -> None:
+            if self.variant == "local":  # the comparison makes Dynamo guard on the value
+                return None
+            return None
+
+        for sub in module.modules():
+            sub.register_forward_pre_hook(read_variant)
+
+    def first_call_in_variant(self) -> bool:
+        """Whether this forward is the first in its variant (its compiles are expected, not recompiles)."""
+        return self._new_variant
 
     def _check_hooks(self) -> None:
         hooks = list(torch_ddp.comm_hooks(self.ddp))
@@ -348,7 +387,7 @@ class InGraphReducer:
         if self._probe is not None:
             self._probe.close()
             self._probe = None
-        self._covered, self._updated, self._runs = [], set(), []
+        self._covered, self._updated, self._runs, self._had_grad = [], set(), [], set()
         self._compiled_this_step = False
 
     def _finish_backward(self) -> None:
@@ -368,7 +407,8 @@ class InGraphReducer:
                 "after the update was compiled). Their update missed that share. Use ddp='split', or "
                 "optimizer_in_backward=False, for a model whose parameters are used outside the compiled graph"
             )
-        leftovers = [p for p in self.params if id(p) not in covered or id(p) in self.outside]
+        had, self._had_grad = self._had_grad, set()
+        leftovers = [p for p in self.params if id(p) not in covered or id(p) in self.outside or id(p) in had]
         self.last_leftovers = self._leftovers.reduce(leftovers, self.reduction.wire_dtype)
         self.grads_kept = sum(p.grad is not None for p in self.params)
 

@@ -26,6 +26,15 @@ class Headed(nn.Module):
         return self.head(torch.tanh(self.body(x)))
 
 
+class BrokenHeaded(Headed):
+    """`Headed` with a graph break between the body and the head: two compiled graphs."""
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        torch._dynamo.graph_break()
+        return self.head(h)
+
+
 class Branchy(nn.Module):
     """`extra` runs only while `use_extra` is set (a Python flag: Dynamo compiles one graph per value)."""
 

@@ -15,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tests.multi_gpu.ddp_compare import ok, run_scenarios
 from tests.multi_gpu.field_models import (
     Branchy,
+    BrokenHeaded,
     EagerScale,
     Experts,
     Halve,
@@ -74,6 +75,10 @@ SCENARIOS = {
         make_model=Experts, before_step=_alternate, steps=4, ddp_kwargs={"find_unused_parameters": True})),
     "fallback_backend": lambda r: _in_graph(r, _script(), backend=lambda gm, inputs: gm.forward),
     "long_run": lambda r: _long_run(r),
+    "zero_grad_after_forward": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, steps=4)),
+    "zero_grad_after_forward_accumulating": lambda r: _in_graph(r, _script(
+        zero_grad_after_forward=True, accum=2)),
+    "graph_break_no_sync_accumulation": lambda r: _in_graph(r, _script(make_model=BrokenHeaded, accum=2)),
 }
 
 
@@ -198,3 +203,22 @@ def test_a_long_run_with_leftovers_stays_flat(results):
         early = statistics.median(r["step_seconds"][100:300])
         late = statistics.median(r["step_seconds"][800:1000])
         assert late < 2 * early + 1e-3, f"steps slowed down: median {early * 1e3:.2f} ms -> {late * 1e3:.2f} ms"
+
+
+@pytest.mark.parametrize("name", ["zero_grad_after_forward", "zero_grad_after_forward_accumulating"])
+def test_gradients_zeroed_between_forward_and_backward_are_not_reduced_again(results, name):
+    """Lightning's order (forward, zero_grad, backward): what .grad held at the forward is gone by the
+    backward, and DDP reduces only what the backward produces."""
+    assert_like_eager(ok(results, name))
+
+
+def test_a_graph_after_a_break_reduces_in_its_own_backward_in_every_variant(results):
+    """no_sync micro-batches compile the local variant first; the graph Dynamo compiles after the
+    break must still switch to its reducing variant (it reads the variant too) at the sync step."""
+    per_rank = ok(results, "graph_break_no_sync_accumulation")
+    assert_like_eager(per_rank)
+    graphs = per_rank[0]["report"]["graphs"]
+    reducing = [g for g in graphs if g.get("variant", "").startswith("reduce")]
+    owned = sorted({n.split(".")[0] for g in reducing for b in g["buckets"] for n in b["params"]})
+    assert owned == ["body", "head"], graphs
+    assert per_rank[0]["report"]["recompiles"] == [], per_rank[0]["report"]["recompiles"]

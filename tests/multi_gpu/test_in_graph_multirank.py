@@ -246,5 +246,7 @@ def test_no_sync_accumulation_reduces_once_per_update_without_recompiling(result
     assert_matches_eager(per_rank)
     _assert_reduced_in_graph(per_rank)
     report = per_rank[0]["report"]
-    assert sorted(g["variant"] for g in report["graphs"]) == ["local", "reduce_acc"], report["graphs"]
+    # a user's loop may zero .grad after the forward: the accumulated gradients are added by autograd
+    # and reduced after the backward, so the sync step runs the plain reducing variant
+    assert sorted(g["variant"] for g in report["graphs"]) == ["local", "reduce"], report["graphs"]
     assert report["recompiles"] == []

@@ -64,6 +64,8 @@ class Script:
     """Called with the inner module before each micro-batch (e.g. switch a branch on)."""
     group: Callable[[], Any] | None = None
     """A process group for DDP (a subgroup of the world); None = the default group."""
+    zero_grad_after_forward: bool = False
+    """Zero the gradients between the forward and the backward (Lightning's order) instead of after the step."""
 
 
 def _build(script: Script, device: torch.device) -> tuple[nn.Module, nn.Module, dict]:
@@ -100,13 +102,16 @@ def _eager_loop(script: Script, ddp: DDP, data: list[Batch]) -> dict:
         last = (i + 1) % script.accum == 0
         with ddp.no_sync() if not last else contextlib.nullcontext():
             loss = script.loss(ddp(*inputs), target, module, i)
+            if script.zero_grad_after_forward and i % script.accum == 0:
+                opt.zero_grad(set_to_none=True)
             (loss / script.accum if script.accum > 1 else loss).backward()
         losses.append(loss.item())
         if last:
             if script.clip is not None:
                 torch.nn.utils.clip_grad_norm_(module.parameters(), script.clip)
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            if not script.zero_grad_after_forward:
+                opt.zero_grad(set_to_none=True)
             if sched is not None:
                 sched.step()
     return {"opt": opt, "sched": sched, "losses": losses}
@@ -126,13 +131,16 @@ def _compile_loop(script: Script, ddp: DDP, data: list[Batch], kwargs: dict) -> 
         last = (i + 1) % script.accum == 0
         with ddp.no_sync() if not last else contextlib.nullcontext():
             loss = script.loss(compiled(*inputs), target, module, i)
+            if script.zero_grad_after_forward and i % script.accum == 0:
+                opt.zero_grad(set_to_none=True)
             (loss / script.accum if script.accum > 1 else loss).backward()
         losses.append(loss.item())
         if last:
             if script.clip is not None:
                 torch.nn.utils.clip_grad_norm_(module.parameters(), script.clip)
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            if not script.zero_grad_after_forward:
+                opt.zero_grad(set_to_none=True)
             if sched is not None:
                 sched.step()
     return {"opt": opt, "sched": sched, "losses": losses, "report": compiled.report().to_dict()}
