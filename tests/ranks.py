@@ -1,6 +1,8 @@
 """Run a function on N local ranks (gloo on CPU, nccl when enough GPUs are visible), with a timeout.
 
-Every rank's return value comes back to the test; a failure names the rank and carries its traceback;
+Under nccl each rank owns one GPU: the rank functions put their models and data there with
+`to_rank_device` and wrap models with `wrap_ddp`; on gloo both are the CPU and change nothing.
+Every rank's return value comes back to the test as CPU tensors; a failure names the rank and carries its traceback;
 a hang fails after `timeout` seconds. Whatever happens, every rank is killed together with anything it
 started: each rank leads a process group of its own, and the whole group is killed at the end.
 """
@@ -21,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launch.net import free_port
 
@@ -39,14 +42,43 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _worker(rank: int, world_size: int, port: int, pg_timeout: float, fn: Callable, args: tuple, queue) -> None:
+def to_rank_device(obj: Any) -> Any:
+    """`obj` on this rank's device (`rank_device`): a module (moved in place, returned), a tensor, or a
+    tuple/list/dict of them; anything else (None, numbers, strings) as it is.
+
+    Data are still drawn on the CPU from the same generators and only then moved, so a rank sees the
+    same numbers under nccl as under gloo; on the CPU nothing is copied (`.to` returns the tensor).
+    """
+    return _to_device(obj, rank_device(dist.get_rank()))
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def wrap_ddp(module: torch.nn.Module, **ddp_kwargs: Any) -> DDP:
+    """`DDP(module, **ddp_kwargs)` as a one-GPU-per-rank script writes it: a module on a GPU gets
+    `device_ids=[that GPU]`; a CPU module gets none (DDP rejects device_ids for CPU modules)."""
+    device = next(module.parameters()).device
+    if device.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [device.index])
+    return DDP(module, **ddp_kwargs)
+
+
+def _worker(rank: int, world_size: int, backend: str, port: int, pg_timeout: float, fn: Callable, args: tuple,
+            queue) -> None:
     # A process group of our own: the parent kills it whole (this rank and whatever it started).
     os.setpgid(0, 0)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # One compile thread: no Inductor worker pool competing with the other rank for 2 cores.
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     torch.set_num_threads(1)
-    backend = backend_for(world_size)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -81,21 +113,25 @@ def _kill_rank(proc) -> None:
 
 
 def run_ranks(
-    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 240.0, pg_timeout: float | None = None
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 240.0, pg_timeout: float | None = None,
+    backend: str | None = None,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` processes; return results ordered by rank.
+    """Run `fn(rank, world_size, *args)` on `world_size` processes; return results ordered by rank, every
+    tensor in them on the CPU.
 
     `fn` must be a module-level function (it is pickled to spawned processes). `timeout` bounds the whole
     run; `pg_timeout` (default: `timeout`) bounds each collective. A rank whose peer died does not need
     it (gloo fails at once when the peer's connection closes); it ends a wait on a peer that is alive
-    but stuck, which `timeout` ends anyway.
+    but stuck, which `timeout` ends anyway. `backend` (default: `backend_for(world_size)`) forces one, e.g.
+    "gloo" for a test whose claim only holds on the CPU.
     """
     pg_timeout = timeout if pg_timeout is None else pg_timeout
+    backend = backend_for(world_size) if backend is None else backend
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, pg_timeout, fn, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, backend, port, pg_timeout, fn, args, queue), daemon=True)
         for r in range(world_size)
     ]
     results: dict[int, Any] = {}
@@ -122,7 +158,9 @@ def run_ranks(
                     break
                 continue
             if ok:
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                # map_location: a rank's CUDA tensors arrive as CPU tensors; the test process compares
+                # them with each other and with CPU data, and never touches a GPU itself.
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False, map_location="cpu")
             else:
                 failures.append(f"rank {rank} failed:\n{payload}")
                 break  # the other ranks will be stuck in a collective: stop now

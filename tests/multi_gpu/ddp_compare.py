@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.ranks import to_rank_device, wrap_ddp
+
 
 # -- inside the ranks ---------------------------------------------------------------------------------
 
@@ -117,25 +119,27 @@ def train_against_eager(
 ) -> dict:
     """Train compiled DDP and eager DDP (same init, same rank-dependent data, SGD momentum) side by side.
 
-    `extra_refs`: more eager DDP models trained the same way from the same init (e.g. an fp32 variant of
-    an autocast model), to show what a wrong compile would have looked like; their params come back too.
+    Models and inputs go to the rank's device (`to_rank_device`); `make_model` and `make_input` build
+    them on the CPU. `extra_refs`: more eager DDP models trained the same way from the same init (e.g. an
+    fp32 variant of an autocast model), to show what a wrong compile would have looked like; their params
+    come back too.
     """
     import compile_core
 
     torch.manual_seed(0)
-    model = make_model()
+    model = to_rank_device(make_model())
     ref = copy.deepcopy(model)
     others = {}
     for name, make in (extra_refs or {}).items():
-        other = make()
+        other = to_rank_device(make())
         other.load_state_dict(model.state_dict())
         others[name] = other
     for m in (model, ref, *others.values()):
         if ignore:
             DDP._set_params_and_buffers_to_ignore_for_model(m, list(ignore))
-    ours = DDP(model, **(ddp_kwargs or {}))
-    theirs = DDP(ref, **(ddp_kwargs or {}))
-    other_ddps = {n: DDP(m, **(ddp_kwargs or {})) for n, m in others.items()}
+    ours = wrap_ddp(model, **(ddp_kwargs or {}))
+    theirs = wrap_ddp(ref, **(ddp_kwargs or {}))
+    other_ddps = {n: wrap_ddp(m, **(ddp_kwargs or {})) for n, m in others.items()}
     in_graph = compile_kwargs.get("ddp") == "in_graph"  # a comm hook would change what in_graph runs
     log = CollectiveLog() if in_graph else BucketLog(model).attach(ours)
     compiled = compile_core.compile(ours, **compile_kwargs)
@@ -149,7 +153,7 @@ def train_against_eager(
     runs = {"ours": forward, "ref": theirs, **other_ddps}
     losses: dict[str, list[float]] = {k: [] for k in runs}
     for step in range(steps):
-        inputs = make_input(step)
+        inputs = to_rank_device(make_input(step))
         for key, run in runs.items():
             watch = contextlib.nullcontext()
             if key == "ours":

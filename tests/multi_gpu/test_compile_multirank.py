@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, to_rank_device, wrap_ddp
 
 pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(300)]
 
@@ -32,11 +32,10 @@ def train_both(rank: int, world_size: int, backend: str, cap_mb: float, our_cap_
                reuse_pieces: bool = True):
     import compile_core
 
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
-    model = GPT(CFG).to(device)
+    model = to_rank_device(GPT(CFG))
     ref = copy.deepcopy(model)
-    ours, theirs = DDP(model, bucket_cap_mb=cap_mb), DDP(ref, bucket_cap_mb=cap_mb)
+    ours, theirs = wrap_ddp(model, bucket_cap_mb=cap_mb), wrap_ddp(ref, bucket_cap_mb=cap_mb)
     seen: list = []
     record_buckets(ours, seen)
     override = None if our_cap_mb is None else our_cap_mb[rank]
@@ -45,8 +44,7 @@ def train_both(rank: int, world_size: int, backend: str, cap_mb: float, our_cap_
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     per_step = []
     for step in range(3):
-        x, y = synthetic_batch(CFG, 2, 16, step=step, rank=rank)
-        x, y = x.to(device), y.to(device)
+        x, y = to_rank_device(synthetic_batch(CFG, 2, 16, step=step, rank=rank))
         seen.clear()
         lm_loss(compiled(x), y).backward()
         opt.step()

@@ -8,10 +8,8 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, to_rank_device, wrap_ddp
 from tests.single.ddp_helpers import Blocks, x64
 
 pytestmark = pytest.mark.multi_gpu
@@ -25,21 +23,20 @@ def train_blocks(rank: int, world_size: int, backend: str, cache_dir: str | None
 
     if fail_leader:
         _make_rank0_a_failing_leader(rank)
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
     # The failing-leader case uses one small graph: both ranks go for the same piece first.
-    model = (torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)) if fail_leader
-             else Blocks()).to(device)
+    model = to_rank_device(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+                           if fail_leader else Blocks())
     ref = copy.deepcopy(model)
     cap = 25 if fail_leader else 0.01
-    ours, theirs = DDP(model, bucket_cap_mb=cap), DDP(ref, bucket_cap_mb=cap)
+    ours, theirs = wrap_ddp(model, bucket_cap_mb=cap), wrap_ddp(ref, bucket_cap_mb=cap)
     compiled = compile_core.compile(ours, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     for step in range(2):
         if fail_leader and rank == 1 and step == 0:
             time.sleep(4)  # after DDP's constructor (a collective): rank 0 claims the piece first
-        x = x64(step, rank).to(device)
+        x = to_rank_device(x64(step, rank))
         for net, o in ((compiled, opt), (theirs, ref_opt)):
             net(x).square().mean().backward()
             o.step()

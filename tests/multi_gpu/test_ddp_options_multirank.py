@@ -102,7 +102,8 @@ class AutocastMiddle(nn.Module):
 
     def forward(self, x):
         x = torch.tanh(self.layers[0](x))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+        # autocast for the device x is on: a CPU autocast region leaves CUDA ops in fp32
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             for layer in self.layers[1:4]:
                 x = torch.tanh(layer(x))
         return self.layers[4](x.float())

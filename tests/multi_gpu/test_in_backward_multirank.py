@@ -16,11 +16,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.multi_gpu.ddp_compare import ok, run_scenarios, snapshot
 from tests.multi_gpu.models import step_data, step_model
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, to_rank_device, wrap_ddp
 
 pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(420)]
 
@@ -71,16 +70,16 @@ def _scenario(rank: int, *, opt: str, sched: str | None = None, accum: int = 1, 
     import compile_core
 
     torch.manual_seed(0)
-    model = make()
+    model = to_rank_device(make())
     ref = copy.deepcopy(model)
     initial = snapshot(model)
-    ours, theirs = DDP(model, bucket_cap_mb=CAP_MB), DDP(ref, bucket_cap_mb=CAP_MB)
+    ours, theirs = wrap_ddp(model, bucket_cap_mb=CAP_MB), wrap_ddp(ref, bucket_cap_mb=CAP_MB)
     optimizer, ref_opt = OPTIMIZERS[opt](model.parameters()), OPTIMIZERS[opt](ref.parameters())
     schedule = SCHEDULES[sched](optimizer) if sched else None
     step = compile_core.train_step(ours, optimizer, loss_fn, backend=backend, ddp="in_graph",
                                    optimizer_in_backward=True, accum_steps=accum, clip_grad_norm=clip,
                                    lr_scheduler=schedule)
-    data = data or make_data(rank, accum * UPDATES)
+    data = to_rank_device(data or make_data(rank, accum * UPDATES))
     grads_left = []
     for x, y in data:
         step(x, y)

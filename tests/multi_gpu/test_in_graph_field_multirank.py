@@ -26,7 +26,7 @@ from tests.multi_gpu.field_models import (
     regression_data,
 )
 from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
-from tests.ranks import run_ranks
+from tests.ranks import rank_device, run_ranks, to_rank_device, wrap_ddp
 
 pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(480)]
 
@@ -90,11 +90,11 @@ def _long_run(rank: int, steps: int = 1000) -> dict:
     from ddp import torch_ddp
 
     torch.manual_seed(0)
-    model = Headed()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    model = to_rank_device(Headed())
+    ddp = wrap_ddp(model)
     compiled = compile_core.compile(ddp, backend="aot_eager", ddp="in_graph", bucket_cap_mb=CAP_MB)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    (x,), y = regression_data(rank, 1, torch.device("cpu"))[0]
+    (x,), y = regression_data(rank, 1, rank_device(rank))[0]
     store = torch_ddp.default_store()
     keys, step_seconds = {}, []
     for i in range(steps):

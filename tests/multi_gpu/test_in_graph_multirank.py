@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from examples.gpt import GPT, GPTConfig
 from tests.multi_gpu.ddp_compare import (
@@ -33,7 +32,7 @@ from tests.multi_gpu.ddp_compare import (
     train_against_eager,
 )
 from tests.multi_gpu.models import WIDTH, GraphBreak, WithBatchNorm, WithUnused, batch, mlp
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, to_rank_device, wrap_ddp
 
 pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(420)]
 
@@ -86,16 +85,16 @@ def _accumulate(rank: int, accum: int = 2, updates: int = 3) -> dict:
     import compile_core
 
     torch.manual_seed(0)
-    model = mlp()
+    model = to_rank_device(mlp())
     ref = copy.deepcopy(model)
     initial = snapshot(model)
-    ours, theirs = DDP(model), DDP(ref)
+    ours, theirs = wrap_ddp(model), wrap_ddp(ref)
     log = CollectiveLog()
     compiled = compile_core.compile(ours, backend="aot_eager", ddp="in_graph", bucket_cap_mb=CAP_MB)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref)]
     losses: dict[str, list[float]] = {"ours": [], "ref": []}
     for step in range(accum * updates):
-        x = batch(step, rank)
+        x = to_rank_device(batch(step, rank))
         last = (step + 1) % accum == 0
         for key, run, ddp, opt in (("ours", compiled, ours, opts[0]), ("ref", theirs, theirs, opts[1])):
             watch = log.step() if key == "ours" else contextlib.nullcontext()

@@ -1,13 +1,13 @@
-"""The overlap recorder on real eager DDP with 2 ranks (gloo on CPU): buckets, bytes, timing order, gradients."""
+"""The overlap recorder on real eager DDP with 2 ranks (gloo on CPU, nccl with 2 GPUs): buckets, bytes,
+timing order, gradients."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, to_rank_device, wrap_ddp
 
 CFG = GPTConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
 STEPS = 3
@@ -17,13 +17,13 @@ def _recorded_run(rank: int, world_size: int) -> dict:
     from ddp.overlap import OverlapRecorder
 
     torch.manual_seed(0)
-    model = GPT(CFG)
+    model = to_rank_device(GPT(CFG))
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
     # a tiny cap forces many buckets, so order and boundaries are actually exercised
-    ddp = DDP(model, bucket_cap_mb=0.01)
+    ddp = wrap_ddp(model, bucket_cap_mb=0.01)
     recorder = OverlapRecorder.attach(ddp)
     for step in range(STEPS):
-        x, y = synthetic_batch(CFG, 2, 8, step=step, rank=rank)
+        x, y = to_rank_device(synthetic_batch(CFG, 2, 8, step=step, rank=rank))
         loss = lm_loss(ddp(x), y)
         recorder.mark_backward_start()
         loss.backward()
@@ -31,9 +31,9 @@ def _recorded_run(rank: int, world_size: int) -> dict:
         model.zero_grad(set_to_none=True)
 
     # the recorder's all-reduce must give DDP's default result: the mean over ranks of the local gradients
-    local = GPT(CFG)
+    local = to_rank_device(GPT(CFG))
     local.load_state_dict(reference)
-    x, y = synthetic_batch(CFG, 2, 8, step=STEPS - 1, rank=rank)
+    x, y = to_rank_device(synthetic_batch(CFG, 2, 8, step=STEPS - 1, rank=rank))
     lm_loss(local(x), y).backward()
     max_err = 0.0
     for name, p in local.named_parameters():

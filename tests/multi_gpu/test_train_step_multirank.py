@@ -9,20 +9,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, to_rank_device, wrap_ddp
 
 ACCUM = 2
 UPDATES = 4
 
 
-def _setup(device):
+def _setup():
     import torch
     import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    inner = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to(device)
-    model = DDP(inner, device_ids=[device.index] if device.type == "cuda" else None)
+    inner = to_rank_device(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)))
+    model = wrap_ddp(inner)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=UPDATES, eta_min=1e-4)
     return model, opt, sched
@@ -46,19 +45,18 @@ def _rank_fn(rank: int, world_size: int, backend: str):
 
     from compile_core.step import train_step
 
-    device = torch.device("cuda", rank) if torch.cuda.is_available() and torch.cuda.device_count() >= world_size \
-        else torch.device("cpu")
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
-    data = [(torch.randn(8, 16, generator=g).to(device), torch.randn(8, 8, generator=g).to(device))
-            for _ in range(ACCUM * UPDATES)]
+    data = to_rank_device([(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g))
+                           for _ in range(ACCUM * UPDATES)])
 
-    model, opt, sched = _setup(device)
+    model, opt, sched = _setup()
+    initial = [p.detach().cpu().numpy().copy() for p in model.parameters()]
     count = _Count()
     model.register_comm_hook(count, _counting_allreduce)
     step = train_step(model, opt, F.mse_loss, backend=backend, accum_steps=ACCUM, lr_scheduler=sched)
     losses = [step(x, y) for x, y in data]
 
-    ref, ref_opt, ref_sched = _setup(device)
+    ref, ref_opt, ref_sched = _setup()
     ref_count = _Count()
     ref.register_comm_hook(ref_count, _counting_allreduce)
     for i, (x, y) in enumerate(data):
@@ -74,7 +72,7 @@ def _rank_fn(rank: int, world_size: int, backend: str):
     return {
         "params": [p.detach().cpu().numpy().copy() for p in model.parameters()],
         "ref_params": [p.detach().cpu().numpy().copy() for p in ref.parameters()],
-        "initial": [p.detach().cpu().numpy().copy() for p in _setup(torch.device("cpu"))[0].parameters()],
+        "initial": initial,
         "losses": [float(l) for l in losses],
         "allreduces": count.calls,
         "ref_allreduces": ref_count.calls,

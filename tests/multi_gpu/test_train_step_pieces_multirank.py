@@ -29,7 +29,7 @@ from tests.multi_gpu.ddp_compare import (
     update_rel_err,
 )
 from tests.multi_gpu.models import step_data, step_model
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, to_rank_device, wrap_ddp
 
 # One launch for the whole module; the *_multirank.py name keeps its tests on one xdist worker.
 pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(420)]
@@ -53,7 +53,7 @@ def _eager_loop(ddp: DDP, opt, data, *, accum: int, clip: float | None, autocast
     for i, (x, y) in enumerate(data):
         last = (i + 1) % accum == 0
         with ddp.no_sync() if not last else contextlib.nullcontext():
-            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 loss = F.mse_loss(ddp(x), y)
             (loss / accum).backward()
         losses.append(loss.item())
@@ -70,16 +70,16 @@ def _scenario(rank: int, *, opt: str, accum: int = 1, clip: float | None = None,
     import compile_core
 
     torch.manual_seed(0)
-    model = make_model()
+    model = to_rank_device(make_model())
     ref = copy.deepcopy(model)
     initial = snapshot(model)
-    ours, theirs = DDP(model, **(ddp_kwargs or {})), DDP(ref, **(ddp_kwargs or {}))
+    ours, theirs = wrap_ddp(model, **(ddp_kwargs or {})), wrap_ddp(ref, **(ddp_kwargs or {}))
     log = BucketLog(model).attach(ours)
     step = compile_core.train_step(
         ours, OPTIMIZERS[opt](model.parameters()), F.mse_loss, backend="aot_eager", accum_steps=accum,
         clip_grad_norm=clip, autocast=autocast, bucket_cap_mb=CAP_MB,
     )
-    data = make_data(rank, accum * UPDATES)
+    data = to_rank_device(make_data(rank, accum * UPDATES))
     losses, norms, applied = [], [], []
     for x, y in data:
         log.new_step()
@@ -96,9 +96,9 @@ def _scenario(rank: int, *, opt: str, accum: int = 1, clip: float | None = None,
         "expected_reduced": sorted(n for n, _ in model.named_parameters()),
     }
     if autocast is not None:  # what the same loop gives in fp32: a lost autocast would end there
-        fp32 = make_model()
+        fp32 = to_rank_device(make_model())
         fp32.load_state_dict(initial)
-        _eager_loop(DDP(fp32, **(ddp_kwargs or {})), OPTIMIZERS[opt](fp32.parameters()), data,
+        _eager_loop(wrap_ddp(fp32, **(ddp_kwargs or {})), OPTIMIZERS[opt](fp32.parameters()), data,
                     accum=accum, clip=clip, autocast=None)
         out["fp32"] = snapshot(fp32)
     return out

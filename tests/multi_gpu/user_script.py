@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.multi_gpu.ddp_compare import snapshot, update_rel_err
-from tests.ranks import rank_device
+from tests.ranks import rank_device, wrap_ddp
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 
@@ -81,9 +81,7 @@ def _wrap(script: Script, module: nn.Module, group: Any, *, eager: bool) -> DDP:
     kwargs = dict(script.ddp_kwargs)
     if group is not None:
         kwargs["process_group"] = group
-    if next(module.parameters()).device.type == "cuda":
-        kwargs.setdefault("device_ids", [next(module.parameters()).device.index])
-    ddp = DDP(module, **kwargs)
+    ddp = wrap_ddp(module, **kwargs)
     if script.setup is not None:
         script.setup(ddp)
     if eager and script.eager_setup is not None:
