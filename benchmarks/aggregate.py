@@ -12,8 +12,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bracket import bracket
 from benchmarks.checksum import checksum_distance
-from benchmarks.config import MODE_HELP, BenchConfig
+from benchmarks.config import BRACKET_MODES, IN_GRAPH_MODES, MODE_HELP, BenchConfig
 
 TIMING_KINDS = ("cold", "warm", "smoke")
 """Jobs whose 2-rank step times, losses and memory enter the table (overlap jobs carry a recorder)."""
@@ -214,11 +215,19 @@ def _warmup_compile(agg: dict[str, Any], kind: str) -> float | None:
     return b["compile_s"] + (b.get("later_warmup_compile_s") or 0.0)
 
 
+def _gated(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """(the modes the gates judge, the bracket modes present): floor trains every rank on its own data and
+    comm_only trains nothing, so neither can end where eager DDP ends; they are listed, not judged."""
+    return ({m: a for m, a in modes.items() if m not in BRACKET_MODES},
+            [m for m in modes if m in BRACKET_MODES])
+
+
 def loss_agreement(modes: dict[str, dict[str, Any]], *, rtol: float, atol: float) -> dict[str, Any]:
-    """Do all finished modes end at the same loss? Reference: eager when it finished."""
+    """Do all finished modes end at the same loss? Reference: eager when it finished. Bracket modes: exempt."""
+    modes, exempt = _gated(modes)
     finished = {m: a["final_loss"] for m, a in modes.items() if a["status"] == "ok"}
     if not finished:
-        return {"ok": None, "reference": None, "disagree": []}
+        return {"ok": None, "reference": None, "disagree": [], "unstable": [], "exempt": exempt}
     ref_mode = "eager" if "eager" in finished else next(iter(finished))
     ref = finished[ref_mode]
     tol = atol + rtol * abs(ref)
@@ -232,26 +241,31 @@ def loss_agreement(modes: dict[str, dict[str, Any]], *, rtol: float, atol: float
         if a["status"] == "ok" and max(a["final_loss_jobs"]) - min(a["final_loss_jobs"]) > tol
     ]
     return {"ok": not disagree and not unstable, "reference": ref_mode, "reference_loss": ref,
-            "tolerance": tol, "disagree": disagree, "unstable": unstable}
+            "tolerance": tol, "disagree": disagree, "unstable": unstable, "exempt": exempt}
 
 
-def param_agreement(modes: dict[str, dict[str, Any]], *, rtol: float) -> dict[str, Any]:
+def param_agreement(modes: dict[str, dict[str, Any]], *, rtol: float, rtol_by_mode: dict[str, float] | None = None,
+                    loosened_because: str = "") -> dict[str, Any]:
     """Did every finished mode end with eager's parameters? The gate of the cross-mode comparison.
 
-    Each mode's rank-0 parameter fingerprint must be within `rtol` (`checksum_distance`) of eager's;
-    within a mode the ranks must agree to the same tolerance (DDP keeps replicas identical), and so must
-    the mode's own jobs. Modes without a fingerprint (results of an older run) are listed, not judged.
+    Each mode's rank-0 parameter fingerprint must be within `rtol` (`checksum_distance`) of eager's, or
+    within `rtol_by_mode[mode]` where given (`loosened_because` says why: 16-bit reductions); within a
+    mode the ranks must agree to `rtol` (DDP keeps replicas identical), and so must the mode's own jobs.
+    Modes without a fingerprint (results of an older run) are listed, not judged; so are the bracket
+    modes (`exempt`).
     """
+    by_mode = dict(rtol_by_mode or {})
+    modes, exempt = _gated(modes)
     finished = {m: a for m, a in modes.items() if a["status"] == "ok"}
     with_sum = {m: a for m, a in finished.items() if "param_checksum" in a}
     missing = sorted(set(finished) - set(with_sum))
     if not with_sum:
         return {"ok": None, "reference": None, "rtol": rtol, "distance": {}, "disagree": [],
-                "ranks_disagree": [], "unstable": [], "missing": missing}
+                "ranks_disagree": [], "unstable": [], "missing": missing, "exempt": exempt}
     ref_mode = "eager" if "eager" in with_sum else next(iter(with_sum))
     ref = with_sum[ref_mode]["param_checksum"]
     distance = {m: checksum_distance(a["param_checksum"], ref) for m, a in with_sum.items()}
-    disagree = [{"mode": m, "distance": d} for m, d in distance.items() if not d <= rtol]
+    disagree = [{"mode": m, "distance": d} for m, d in distance.items() if not d <= by_mode.get(m, rtol)]
     ranks_disagree = [{"mode": m, "distance": a["rank_param_distance"]}
                       for m, a in with_sum.items() if not a["rank_param_distance"] <= rtol]
     unstable = [{"mode": m, "distance": max(checksum_distance(c, a["param_checksum"]) for c in a["param_checksum_jobs"])}
@@ -259,7 +273,8 @@ def param_agreement(modes: dict[str, dict[str, Any]], *, rtol: float) -> dict[st
                 if not all(checksum_distance(c, a["param_checksum"]) <= rtol for c in a["param_checksum_jobs"])]
     return {"ok": not disagree and not ranks_disagree and not unstable and not missing, "reference": ref_mode,
             "rtol": rtol, "distance": distance, "disagree": disagree, "ranks_disagree": ranks_disagree,
-            "unstable": unstable, "missing": missing}
+            "unstable": unstable, "missing": missing, "exempt": exempt,
+            **({"rtol_by_mode": by_mode, "loosened_because": loosened_because} if by_mode else {})}
 
 
 def aggregate(cfg: BenchConfig, jobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -273,7 +288,13 @@ def aggregate(cfg: BenchConfig, jobs: list[dict[str, Any]]) -> dict[str, Any]:
             "modes": modes,
             "comparisons": comparisons(modes),
             "loss_agreement": loss_agreement(modes, rtol=cfg.loss_rtol, atol=cfg.loss_atol),
-            "param_agreement": param_agreement(modes, rtol=cfg.param_tolerance()),
+            "param_agreement": param_agreement(
+                modes, rtol=cfg.param_tolerance(), rtol_by_mode=cfg.param_tolerances(),
+                loosened_because=f"reduce_dtype={cfg.reduce_dtype}: 16-bit all-reduce, eager's is fp32"),
+            "bracket": bracket(modes),
+            # --reduce-dtype reaches our in-graph modes only: their rows say so
+            "labels": {m: f"reduce_dtype={cfg.reduce_dtype}" for m in cfg.modes
+                       if cfg.reduce_dtype and m in IN_GRAPH_MODES},
         }
     return {
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

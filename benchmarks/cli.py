@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--param-rtol", type=float, default=None,
                    help="max distance of a mode's final parameters from eager's (default: SGD 1e-5 for "
                         "aot_eager/eager, 1e-3 for inductor; AdamW 1e-3 and 1e-2; see BenchConfig.param_rtol)")
+    p.add_argument("--link-gbit", type=float, default=None, metavar="X",
+                   help="run every job in its own network namespace with its loopback shaped to X Gbit/s "
+                        "(tc tbf; needs root, unshare, nsenter, ip, tc: checked before the first job)")
+    p.add_argument("--comm-hook", choices=("none", "fp16"), default="none",
+                   help="fp16: register DDP's fp16_compress_hook on every mode's DDP object (comm_only then "
+                        "all-reduces fp16; floor has no DDP)")
+    p.add_argument("--reduce-dtype", choices=("bf16", "fp16"), default=None,
+                   help="reduce_dtype= for our ddp='in_graph' modes only; other modes unchanged")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=None, help="default bench_out/<preset>")
     p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
@@ -143,6 +151,9 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         markdown=markdown.resolve(),
         preset=preset,
         command=command,
+        link_gbit=args.link_gbit,
+        comm_hook=None if args.comm_hook == "none" else args.comm_hook,
+        reduce_dtype=args.reduce_dtype,
     )
 
 
@@ -200,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if cfg.link_gbit is not None:  # before the first job: a run must not fail on its link halfway through
+        from benchmarks.link import unavailable_reason
+
+        problem = unavailable_reason(cfg.link())
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     from benchmarks.suite import run_suite
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)

@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from benchmarks.link import LinkShape
 
 MODES: tuple[str, ...] = (
+    "floor",
+    "comm_only",
     "eager",
     "torch_ddpopt",
     "torch_nosplit",
@@ -17,9 +22,13 @@ MODES: tuple[str, ...] = (
     "ours_step_in_graph",
     "ours_step_in_backward",
 )
-"""Every mode, in table order."""
+"""Every mode, in table order (the bracket first)."""
 
 MODE_HELP: dict[str, str] = {
+    "floor": "bracket, lower end: torch.compile(model) + torch.compile'd optimizer.step() on every rank at once, "
+             "no DDP and no communication (each rank trains its own copy)",
+    "comm_only": "bracket, communication: the all-reduce of DDP's buckets for this model and cap (same sizes and "
+                 "dtype), issued back to back asynchronously and waited for, nothing else",
     "eager": "eager DDP + eager optimizer",
     "torch_ddpopt": "torch.compile(ddp_model), PyTorch's DDPOptimizer (optimize_ddp=True) + eager optimizer",
     "torch_nosplit": "torch.compile(ddp_model), optimize_ddp=False (one graph, no overlap) + eager optimizer",
@@ -35,6 +44,25 @@ MODE_HELP: dict[str, str] = {
 
 IN_GRAPH_MODES = frozenset({"ours_in_graph", "ours_step_in_graph", "ours_step_in_backward"})
 """Modes whose compiled backward all-reduces itself: DDP's comm hooks (the overlap recorder) see nothing."""
+
+BRACKET_MODES = ("floor", "comm_only")
+"""Modes that bracket the others' step time (benchmarks/bracket.py): they do not train like eager DDP, so the
+loss and parameter gates skip them (labelled in the tables), and they get no 1-rank or overlap jobs."""
+
+NO_COMPILE_MODES = frozenset({"eager", "comm_only"})
+"""Modes that compile nothing: one job per round, no cold/warm pair."""
+
+COMM_HOOKS = ("fp16",)
+"""What --comm-hook registers on every mode's DDP object (fp16: DDP's fp16_compress_hook). bf16_compress_hook
+is refused by DDP without CUDA + NCCL, so it is not offered."""
+
+REDUCE_DTYPES = ("bf16", "fp16")
+"""What --reduce-dtype passes as reduce_dtype= to our ddp='in_graph' modes."""
+
+REDUCED_WIRE_PARAM_RTOL = {"bf16": 3e-2, "fp16": 1e-2}
+"""Parameter-gate tolerance of the --reduce-dtype modes: they all-reduce in 16 bits, eager (the reference) in
+fp32, so they end measurably apart. Seen on the smoke run (SGD, aot_eager, 3 steps): bf16 1.4e-3, fp16 2.7e-4;
+a rank that skips the all-reduce lands at 0.1-1, still well outside."""
 
 
 OPTIMIZERS: dict[str, dict[str, Any]] = {
@@ -178,6 +206,12 @@ class BenchConfig:
     """full, quick or smoke (smoke: no timing claims in the report)."""
     command: str = ""
     """The exact command line, recorded in the outputs."""
+    link_gbit: float | None = None
+    """Shape the loopback of every job to this many Gbit/s, in a network namespace per job (None: plain loopback)."""
+    comm_hook: str | None = None
+    """DDP comm hook registered on every mode's DDP object: None or 'fp16' (`COMM_HOOKS`); floor has no DDP."""
+    reduce_dtype: str | None = None
+    """reduce_dtype= of our ddp='in_graph' modes: None, 'bf16' or 'fp16' (`REDUCE_DTYPES`); other modes unchanged."""
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -214,6 +248,37 @@ class BenchConfig:
             raise ValueError(f"loss tolerances must be >= 0, got rtol={self.loss_rtol}, atol={self.loss_atol}")
         if self.preset not in ("full", "quick", "smoke"):
             raise ValueError(f"BenchConfig.preset={self.preset!r}: use full, quick or smoke")
+        self._check_link_and_reduction()
+
+    def _check_link_and_reduction(self) -> None:
+        if self.link_gbit is not None:
+            from benchmarks.link import LinkShape
+
+            LinkShape(rate_gbit=self.link_gbit)  # validates the rate, naming --link-gbit
+        if self.comm_hook is not None:
+            if self.comm_hook not in COMM_HOOKS:
+                raise ValueError(f"BenchConfig.comm_hook={self.comm_hook!r}: use None or one of {list(COMM_HOOKS)} "
+                                 "(--comm-hook none|fp16; DDP refuses bf16_compress_hook without CUDA + NCCL)")
+            if set(self.modes) <= {"floor"}:
+                raise ValueError(f"--comm-hook {self.comm_hook} changes none of the modes {list(self.modes)} (floor "
+                                 "has no DDP object): add a DDP mode to --modes or drop --comm-hook")
+        if self.reduce_dtype is not None:
+            if self.reduce_dtype not in REDUCE_DTYPES:
+                raise ValueError(f"BenchConfig.reduce_dtype={self.reduce_dtype!r}: use None or one of "
+                                 f"{list(REDUCE_DTYPES)} (--reduce-dtype bf16|fp16)")
+            if not IN_GRAPH_MODES & set(self.modes):
+                raise ValueError(f"--reduce-dtype {self.reduce_dtype} applies to {sorted(IN_GRAPH_MODES)} only, and "
+                                 f"none of them is in --modes {','.join(self.modes)}: add one or drop --reduce-dtype")
+            if self.comm_hook is not None and self.comm_hook != self.reduce_dtype:
+                raise ValueError(f"--reduce-dtype {self.reduce_dtype} conflicts with --comm-hook {self.comm_hook} "
+                                 f"(the in-graph modes would all-reduce in {self.comm_hook}, as the hook says, and "
+                                 "compile_core refuses the pair): drop one of them")
+
+    def link(self) -> LinkShape | None:
+        """The loopback shaping of every job (None: the plain loopback)."""
+        from benchmarks.link import LinkShape
+
+        return None if self.link_gbit is None else LinkShape(rate_gbit=self.link_gbit)
 
     def param_tolerance(self) -> float:
         """`param_rtol`, or the backend's default (see its docstring)."""
@@ -223,6 +288,14 @@ class BenchConfig:
         if self.optimizer == "adamw":
             return 1e-3 if exact_kernels else 1e-2
         return 1e-5 if exact_kernels else 1e-3
+
+    def param_tolerances(self) -> dict[str, float]:
+        """Modes gated at another tolerance than `param_tolerance()`: with --reduce-dtype our in-graph modes
+        (`REDUCED_WIRE_PARAM_RTOL`, or `param_tolerance()` where that is looser)."""
+        if self.reduce_dtype is None:
+            return {}
+        loose = max(self.param_tolerance(), REDUCED_WIRE_PARAM_RTOL[self.reduce_dtype])
+        return {m: loose for m in self.modes if m in IN_GRAPH_MODES}
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the optimizer every mode builds (the lr override applied)."""

@@ -35,14 +35,20 @@ class Step:
 class ModeContext:
     """What a builder needs."""
 
-    ddp: DDP
-    """The DDP-wrapped model (already constructed with the mode's DDP settings)."""
+    ddp: DDP | None
+    """The DDP-wrapped model (already constructed with the mode's DDP settings and comm hook); None for floor."""
+    model: torch.nn.Module
+    """The model itself (`ddp.module` where there is a DDP object)."""
     optimizer: torch.optim.Optimizer
     """The run's optimizer (SGD or AdamW, see `make_optimizer`) over the model's parameters."""
     backend: str
     """Compiler backend name."""
     mark_backward: Callable[[], None]
     """Called right before loss.backward() (the overlap recorder's backward-start mark; a no-op otherwise)."""
+    comm_hook: str | None = None
+    """The comm hook the worker registered on `ddp` (--comm-hook: None or 'fp16')."""
+    reduce_dtype: torch.dtype | None = None
+    """reduce_dtype= for our ddp='in_graph' modes (--reduce-dtype); None: the gradients' dtype."""
 
 
 def make_optimizer(name: str, params, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
@@ -155,6 +161,8 @@ def build_torch_savvy(ctx: ModeContext) -> Step:
 
 
 def build_torch_python_reducer(ctx: ModeContext) -> Step:
+    # a --comm-hook runs here too: the python reducer calls it once per parameter with (grad, param), which
+    # torch's compress hooks take (they all-reduce that gradient in 16 bits, traced by compiled autograd)
     ddp = ctx.ddp
 
     def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -208,10 +216,15 @@ def _report_info(obj: Any) -> dict[str, Any]:
     }
 
 
+def _reduction(ctx: ModeContext, ddp_mode: str) -> dict[str, Any]:
+    # --reduce-dtype reaches our in-graph modes only (compile_core refuses it for ddp='split')
+    return {"reduce_dtype": ctx.reduce_dtype} if ddp_mode == "in_graph" and ctx.reduce_dtype is not None else {}
+
+
 def _ours_compile(ctx: ModeContext, ddp_mode: str) -> Step:
     import compile_core
 
-    compiled = compile_core.compile(ctx.ddp, backend=ctx.backend, ddp=ddp_mode)
+    compiled = compile_core.compile(ctx.ddp, backend=ctx.backend, ddp=ddp_mode, **_reduction(ctx, ddp_mode))
     return Step(run=_eager_optimizer_step(ctx, compiled), info=lambda: _report_info(compiled))
 
 
@@ -227,7 +240,8 @@ def build_ours_in_graph(ctx: ModeContext) -> Step:
 def _ours_step(ctx: ModeContext, **options: Any) -> Step:
     import compile_core
 
-    step = compile_core.train_step(ctx.ddp, ctx.optimizer, lm_loss, backend=ctx.backend, **options)
+    step = compile_core.train_step(ctx.ddp, ctx.optimizer, lm_loss, backend=ctx.backend,
+                                   **_reduction(ctx, options["ddp"]), **options)
     # the backward runs inside the step, so the recorder falls back to the first bucket's ready time
     return Step(run=lambda x, y: step(x, y).detach(), info=lambda: _report_info(step))
 

@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.aggregate import aggregate, loss_agreement, param_agreement  # noqa: F401 - the CLI's entry points
-from benchmarks.config import MODE_HELP, OPTIMIZER_CLASSES
+from benchmarks.config import (
+    BRACKET_MODES,
+    IN_GRAPH_MODES,
+    MODE_HELP,
+    OPTIMIZER_CLASSES,
+)
 from benchmarks.tables import _short, all_tables
 
 FULL_COMMAND = "python -m benchmarks --optimizer adamw --warmup 3 --steps 10"
@@ -40,7 +45,8 @@ def plot_step_ms(result: dict[str, Any], path: Path) -> Path:
         heights = [modes[m].get("step_ms") or 0.0 for m in labels]
         lo = [h - (modes[m].get("step_ms_min") or h) for m, h in zip(labels, heights)]
         hi = [(modes[m].get("step_ms_max") or h) - h for m, h in zip(labels, heights)]
-        colors = ["#888888" if m == "eager" else "#cc6633" if m.startswith("torch") else "#3366cc" for m in labels]
+        colors = ["#bbbbbb" if m in BRACKET_MODES else "#888888" if m == "eager" else "#cc6633" if m.startswith("torch")
+                  else "#3366cc" for m in labels]
         bars = ax.bar(range(len(labels)), heights, yerr=[lo, hi], color=colors, capsize=3)
         for i, (m, bar) in enumerate(zip(labels, bars)):
             text = f"{heights[i]:.0f}" if modes[m]["status"] == "ok" else modes[m]["status"]
@@ -68,7 +74,7 @@ def how_to_run() -> list[str]:
     return [
         "## What runs",
         "",
-        "Modes (every mode gets the same DDP model, optimizer, batches and seed):",
+        "Modes (every mode gets the same model, optimizer, batches and seed; every mode but floor the same DDP settings):",
         "",
         *[f"- `{m}`: {help_}" for m, help_ in MODE_HELP.items()],
         "",
@@ -81,6 +87,14 @@ def how_to_run() -> list[str]:
         "SGD (momentum 0.9), `--workloads compile` only the compile-time table; `--no-plot` runs without "
         "matplotlib. Rebuild this file from a results.json without running anything: "
         "`python -m benchmarks --render bench_out/full/results.json`.",
+        "",
+        ("Speed claims are read against each workload's bracket: `floor` (the step with no communication) and "
+        "floor + `comm_only` (every all-reduce exposed); each mode's overhead over the floor and the share of "
+        "comm_only it hid are in the table. `--link-gbit X` runs every job in its own network namespace with "
+        "its loopback shaped to X Gbit/s (tc tbf; root, `unshare`, `nsenter`, `ip` and `tc` needed, checked "
+        "before the first job). `--comm-hook fp16` registers DDP's `fp16_compress_hook` on every mode's DDP "
+        "object (comm_only then all-reduces fp16 buffers; floor has no DDP); `--reduce-dtype bf16|fp16` passes "
+        "`reduce_dtype=` to our in-graph modes only."),
         "",
     ]
 
@@ -107,6 +121,14 @@ def method_lines(cfg: dict[str, Any]) -> list[str]:
         "them, per rank; process peak RSS: the whole process (set by compilation). Step tensor peak: the most "
         "tensor memory a profiled step held above what was alive at its start (profiler memory events: "
         "gradients, activations, all-reduce buffers), per rank.",
+        ("- bracket: floor = `torch.compile(model)` + `torch.compile`'d `optimizer.step()` on every rank at "
+        "once, no DDP, no communication (each rank trains its own copy); comm_only = one all-reduce per DDP "
+        "bucket (DDP's sizes, from `dist._compute_bucket_assignment_by_size` with the DDP object's caps; fp16 "
+        "under --comm-hook fp16), issued back to back asynchronously, then all waited for, per step. Over floor "
+        "= mode ms - floor ms (and % of floor). Comm hidden = 1 - (mode ms - floor ms) / comm_only ms, clamped "
+        "to 0-100 % with the raw value shown: below 0 the mode is slower than floor + comm_only (overhead that "
+        "is not communication, or all-reduces contending with compute), above 100 % faster than the floor. "
+        "Neither bracket mode trains like eager DDP: both are left out of the loss and parameter gates."),
         "- scaling eff: 1-rank step ms (one 1-rank job per mode, round 1) / 2-rank step ms at the same "
         "per-rank batch (1.0 = perfect).",
         "- overlap % / exposed comm ms: share of all-reduce wall time hidden behind backward compute, and what "
@@ -147,6 +169,7 @@ def benchmarks_md(result: dict[str, Any], *, chart: Path | None, json_path: Path
         "one thread per rank (OMP_NUM_THREADS=1, torch.set_num_threads(1))",
         f"- backend `{cfg['backend']}`, {_optimizer_text(cfg)} (constant lr), seed {cfg['seed']}; bucket caps "
         "per workload (in each table's title)",
+        *run_condition_lines(cfg),
         "",
         *method_lines(cfg),
         "## Results",
@@ -163,6 +186,22 @@ def benchmarks_md(result: dict[str, Any], *, chart: Path | None, json_path: Path
     return "\n".join(lines) + "\n"
 
 
+def run_condition_lines(cfg: dict[str, Any]) -> list[str]:
+    """Link, comm hook and reduce dtype of the run (results of older runs: the plain defaults)."""
+    from benchmarks.link import LinkShape
+
+    link = cfg.get("link_gbit")
+    hook, reduce_dtype = cfg.get("comm_hook"), cfg.get("reduce_dtype")
+    in_graph = [m for m in cfg.get("modes", ()) if m in IN_GRAPH_MODES]
+    return [
+        "- link: " + (LinkShape(rate_gbit=link).describe() if link else "plain loopback (no --link-gbit)"),
+        "- DDP comm hook: " + (f"{hook}_compress_hook on every mode's DDP object (comm_only all-reduces {hook}; "
+                               "floor has no DDP)" if hook else "none (DDP's default all-reduce)"),
+        "- reduce dtype: " + (f"reduce_dtype={reduce_dtype} for {', '.join(in_graph)} only; every other mode, "
+                              "comm_only included, all-reduces as without it" if reduce_dtype else "none"),
+    ]
+
+
 def _details_section(result: dict[str, Any], rel) -> list[str]:
     lines = ["## Details", ""]
     for name, data in result["workloads"].items():
@@ -170,6 +209,11 @@ def _details_section(result: dict[str, Any], rel) -> list[str]:
             if a["status"] != "ok":
                 lines.append(f"- {name} / `{mode}` {a['status']}: `{_short(a['error'], 600)}`")
                 continue
+            info = a.get("info") or {}
+            if mode == "comm_only" and info.get("bucket_bytes"):
+                mib = ", ".join(f"{b / 2**20:.2f}" for b in info["bucket_bytes"])
+                lines.append(f"- {name} / `comm_only`: {len(info['bucket_bytes'])} all-reduces per step of {mib} "
+                             f"MiB ({info.get('wire_dtype')}); bucket sizes: {info.get('bucket_source')}")
             ov = a.get("overlap") or {}
             if ov.get("timeline_png"):
                 lines.append(f"- {name} / `{mode}` overlap timeline: [{rel(ov['timeline_png'])}]"

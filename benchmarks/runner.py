@@ -5,6 +5,7 @@ rank fails or hangs the others are killed and the failure names the mode and the
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.link import LinkError, LinkShape, ShapedNamespace
 from launch.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,8 +46,10 @@ class JobSpec:
     """Everything the worker reads (see benchmarks.worker.run)."""
 
 
-def _rank_env(spec: JobSpec, rank: int, port: int) -> dict[str, str]:
+def _rank_env(spec: JobSpec, rank: int, port: int, *, shaped: bool = False) -> dict[str, str]:
     env = dict(os.environ)
+    if shaped:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # the namespace has nothing else; say so rather than let gloo guess
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -79,20 +83,35 @@ def _tail(path: Path, lines: int = 6) -> str:
         return ""
 
 
-def run_job(spec: JobSpec, jobs_dir: Path, *, timeout_s: float) -> dict[str, Any]:
-    """Run one job to completion; return the per-rank results plus a job-level status."""
+def run_job(spec: JobSpec, jobs_dir: Path, *, timeout_s: float, link: LinkShape | None = None) -> dict[str, Any]:
+    """Run one job to completion; return the per-rank results plus a job-level status.
+
+    With `link`, the job's ranks share a network namespace of their own with a shaped loopback
+    (benchmarks/link.py); a namespace that cannot be made fails the job, not the run.
+    """
     job_dir = jobs_dir / spec.job_id
     job_dir.mkdir(parents=True, exist_ok=True)
     spec_path = job_dir / "spec.json"
     spec_path.write_text(json.dumps(spec.worker, indent=1))
-    port = free_port()
+    with contextlib.ExitStack() as stack:
+        prefix: list[str] = []
+        if link is not None:
+            try:
+                prefix = stack.enter_context(ShapedNamespace(link)).prefix()
+            except LinkError as err:
+                return _link_failed(spec, job_dir, err)
+        return _run_ranks(spec, job_dir, spec_path, prefix=prefix, timeout_s=timeout_s)
+
+
+def _run_ranks(spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[str], timeout_s: float):
+    port = free_port()  # a fresh namespace has every port free: the host's pick is as good as any there
     procs = []
     for rank in range(spec.world_size):
         with open(job_dir / f"rank{rank}.log", "w") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.worker", str(spec_path)],
-                cwd=REPO_ROOT, env=_rank_env(spec, rank, port), stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                [*prefix, sys.executable, "-m", "benchmarks.worker", str(spec_path)],
+                cwd=REPO_ROOT, env=_rank_env(spec, rank, port, shaped=bool(prefix)), stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
             ))
     started = time.monotonic()
     deadline = started + timeout_s
@@ -110,6 +129,13 @@ def run_job(spec: JobSpec, jobs_dir: Path, *, timeout_s: float) -> dict[str, Any
         _kill_group(p)
     return _collect(spec, job_dir, procs, timed_out=timed_out, timeout_s=timeout_s,
                     wall_s=time.monotonic() - started)
+
+
+def _link_failed(spec: JobSpec, job_dir: Path, err: LinkError) -> dict[str, Any]:
+    why = f"{spec.mode}: the shaped link (--link-gbit) could not be set up for this job: {err}"
+    return {"job_id": spec.job_id, "kind": spec.kind, "round": spec.round, "mode": spec.mode,
+            "workload": spec.workload, "world_size": spec.world_size, "ok": False, "unavailable": False,
+            "errors": [why], "wall_s": 0.0, "ranks": [], "log_dir": str(job_dir)}
 
 
 def _collect(spec: JobSpec, job_dir: Path, procs, *, timed_out: bool, timeout_s: float, wall_s: float):

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from benchmarks.config import BenchConfig, Workload
+from benchmarks.config import BRACKET_MODES, NO_COMPILE_MODES, BenchConfig, Workload
 from benchmarks.runner import JobSpec, run_job
 
 COMPILED_KINDS = ("cold", "warm")
@@ -35,6 +35,9 @@ def _worker_spec(cfg: BenchConfig, w: Workload, mode: str, *, steps: int, record
         "profile_steps": cfg.profile_steps if record_overlap else 0,
         "timeline_png": None if timeline_png is None else str(timeline_png),
         "plot": cfg.plot,
+        "comm_hook": cfg.comm_hook,
+        "reduce_dtype": cfg.reduce_dtype,
+        "link_gbit": cfg.link_gbit,  # recorded only: the runner shapes the link (benchmarks/link.py)
     }
 
 
@@ -71,20 +74,22 @@ def plan_round(cfg: BenchConfig, round_no: int, caches: CacheDirs) -> Iterator[J
 
 
 def _mode_jobs(cfg: BenchConfig, w: Workload, mode: str, round_no: int, caches: CacheDirs) -> Iterator[JobSpec]:
-    reuse = cfg.cold_warm and round_no > 1 and mode != "eager"
+    reuse = cfg.cold_warm and round_no > 1 and mode not in NO_COMPILE_MODES
     # With cold/warm on, the cold compile is measured once (round 1); later rounds reuse that cache and
     # add warm samples. That keeps a full run affordable: the cold Inductor compile dominates job time.
     cache = caches.current(w.name, mode) if reuse else caches.fresh(w.name, mode, round_no)
     if cfg.preset == "smoke":
         kinds = ["smoke"]
-    elif mode == "eager" or reuse:
-        kinds = ["warm"]  # eager compiles nothing: one 2-rank job is all there is to time
+    elif mode in NO_COMPILE_MODES or reuse:
+        kinds = ["warm"]  # eager and comm_only compile nothing: one 2-rank job is all there is to time
     else:
         kinds = list(COMPILED_KINDS) if cfg.cold_warm else ["cold"]  # the cache dir is fresh: cold
-    if cfg.scaling and w.scaling and cfg.world_size > 1 and cfg.preset != "smoke" and round_no == 1:
+    # the bracket modes get no 1-rank or overlap jobs: floor never communicates, comm_only has no backward
+    bracket = mode in BRACKET_MODES
+    if cfg.scaling and w.scaling and cfg.world_size > 1 and cfg.preset != "smoke" and round_no == 1 and not bracket:
         kinds.append("single")  # the 1-rank reference: once, in round 1
     for kind in kinds:
-        in_job_recorder = cfg.overlap and cfg.overlap_in_main_job and w.overlap and kind != "single"
+        in_job_recorder = cfg.overlap and cfg.overlap_in_main_job and w.overlap and kind != "single" and not bracket
         yield JobSpec(
             job_id=f"r{round_no}_{w.name}_{mode}_{kind}",
             kind=kind,
@@ -106,7 +111,7 @@ def plan_overlap(cfg: BenchConfig, caches: CacheDirs) -> Iterator[JobSpec]:
     if not cfg.overlap or cfg.overlap_in_main_job or cfg.world_size < 2:
         return
     for w in (w for w in cfg.workloads if w.overlap):
-        for mode in cfg.modes:
+        for mode in (m for m in cfg.modes if m not in BRACKET_MODES):
             yield JobSpec(
                 job_id=f"overlap_{w.name}_{mode}",
                 kind="overlap",
@@ -125,6 +130,9 @@ def run_suite(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> list[d
     jobs_dir = cfg.out_dir / "jobs"
     jobs_dir.mkdir(parents=True, exist_ok=True)
     caches = CacheDirs()
+    link = cfg.link()
+    if link is not None:
+        log(f"link: {link.describe()}")
     results: list[dict[str, Any]] = []
     dead: dict[tuple[str, ...], str] = {}  # (workload, mode[, kind]) -> why later jobs are skipped
     try:
@@ -136,7 +144,7 @@ def run_suite(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> list[d
                 results.append(_skipped(spec, why))
                 continue
             t0 = time.monotonic()
-            res = run_job(spec, jobs_dir, timeout_s=cfg.timeout_s)
+            res = run_job(spec, jobs_dir, timeout_s=cfg.timeout_s, link=link)
             results.append(res)
             status = "ok" if res["ok"] else ("UNAVAILABLE" if res["unavailable"] else "FAILED")
             log(f"[{spec.job_id}] {status} in {time.monotonic() - t0:.1f}s"

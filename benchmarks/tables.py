@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.bracket import bracket_line, comm_hidden_cell, over_floor_cell
+from benchmarks.config import BRACKET_MODES, NO_COMPILE_MODES
+
 
 def _fmt(value: Any, spec: str = ".1f", none: str = "-") -> str:
     return none if value is None else format(value, spec)
@@ -28,7 +31,8 @@ def _header(cells: list[str]) -> list[str]:
     return [_row(cells), "|" + "---|" * len(cells)]
 
 
-MAIN_COLUMNS = ["mode", "status", "pieces", "step ms (median)", "min-max", "steady peak RSS MB/rank",
+MAIN_COLUMNS = ["mode", "status", "pieces", "step ms (median)", "min-max", "over floor ms (%)", "comm hidden %",
+                "steady peak RSS MB/rank",
                 "step tensor peak MB/rank", "process peak RSS MB/rank", "cold 1st step s", "warm 1st step s",
                 "final loss", "scaling eff", "overlap % hook / prof", "exposed comm ms hook / prof"]
 
@@ -43,15 +47,16 @@ def main_table(data: dict[str, Any]) -> list[str]:
             rows.append(_row([mode, f"{a['status']}: {_short(a['error'])}"] + [""] * (len(MAIN_COLUMNS) - 2)))
             continue
         ov, prof = a.get("overlap") or {}, a.get("profile") or {}
-        loss = f"{a['final_loss']:.5f}" + (" **DISAGREES**" if mode in bad else "")
+        loss = _loss_cell(mode, a["final_loss"], bad)
         warm = a["first_step_s_warm"] if a["first_step_s_warm"] is not None else a["first_step_s_smoke"]
-        cold = a["first_step_s_cold"] if mode != "eager" else None
+        cold = a["first_step_s_cold"] if mode not in NO_COMPILE_MODES else None
         rows.append(_row([
-            mode, "ok", _fmt(a["pieces"], "d"), _fmt(a["step_ms"]),
-            f"{_fmt(a['step_ms_min'])}-{_fmt(a['step_ms_max'])}",
+            mode, _status_cell(mode, data.get("labels") or {}), _fmt(a["pieces"], "d"),
+            _fmt(a["step_ms"]), f"{_fmt(a['step_ms_min'])}-{_fmt(a['step_ms_max'])}",
+            over_floor_cell(data.get("bracket"), mode), comm_hidden_cell(data.get("bracket"), mode),
             _per_rank(a.get("steady_peak_rss_mb_per_rank")), _per_rank(prof.get("tensor_peak_mb_per_rank"), ".1f"),
             _per_rank(a.get("peak_rss_mb_per_rank")),
-            _fmt(cold, ".1f", "no compile" if mode == "eager" else "-"), _fmt(warm, ".1f"),
+            _fmt(cold, ".1f", "no compile" if mode in NO_COMPILE_MODES else "-"), _fmt(warm, ".1f"),
             loss, _fmt(a.get("scaling_efficiency"), ".2f"),
             f"{_hook_cell(ov)} / {_prof_cell(prof)}",
             f"{_fmt(ov.get('median_exposed_ms')) if ov.get('recorded') else '-'} / "
@@ -60,13 +65,28 @@ def main_table(data: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _status_cell(mode: str, labels: dict[str, str]) -> str:
+    if mode in BRACKET_MODES:
+        return "ok (bracket, not gated)"
+    return f"ok ({labels[mode]})" if mode in labels else "ok"
+
+
+def _loss_cell(mode: str, loss: float, bad: set[str]) -> str:
+    if mode == "comm_only":
+        return "n/a (no training)"
+    if mode == "floor":
+        return f"{loss:.5f} (own data per rank)"
+    return f"{loss:.5f}" + (" **DISAGREES**" if mode in bad else "")
+
+
 def _hook_cell(ov: dict[str, Any]) -> str:
     if not ov:
         return "-"
     if not ov.get("recorded"):
         reason = str(ov.get("reason", ""))
         return ("n/a (python reducer)" if "python reducer" in reason
-                else "n/a (in-graph)" if "in_graph" in reason else "n/a")
+                else "n/a (in-graph)" if "in_graph" in reason
+                else "n/a (comm hook)" if "comm hook" in reason else "n/a")
     return _fmt(ov.get("overlap_percent"), ".0f")
 
 
@@ -112,7 +132,16 @@ def comparison_table(data: dict[str, Any]) -> list[str]:
     return rows if len(rows) > 2 else []
 
 
+def _exempt(agreement: dict[str, Any]) -> str:
+    exempt = agreement.get("exempt") or []
+    return (f" Not gated: {', '.join(exempt)} (bracket modes: they do not train like eager DDP)." if exempt else "")
+
+
 def agreement_line(agreement: dict[str, Any]) -> str:
+    return _agreement_line(agreement) + _exempt(agreement)
+
+
+def _agreement_line(agreement: dict[str, Any]) -> str:
     if agreement["ok"] is None:
         return "Loss agreement: no mode finished."
     if agreement["ok"]:
@@ -125,12 +154,24 @@ def agreement_line(agreement: dict[str, Any]) -> str:
 
 
 def param_agreement_line(agreement: dict[str, Any]) -> str:
+    by_tol: dict[float, list[str]] = {}
+    for mode, tol in (agreement.get("rtol_by_mode") or {}).items():
+        by_tol.setdefault(tol, []).append(mode)
+    distance = agreement.get("distance") or {}
+    loosened = "".join(
+        f" {', '.join(modes)} gated at {tol:.0e} ({agreement.get('loosened_because', '')}; up to "
+        f"{max(distance.get(m, 0.0) for m in modes):.1e} here)." for tol, modes in by_tol.items())
+    return _param_agreement_line(agreement) + loosened + _exempt(agreement)
+
+
+def _param_agreement_line(agreement: dict[str, Any]) -> str:
     if agreement["ok"] is None:
         if agreement["missing"]:
             return "Parameter agreement: not checked (these results hold no parameter fingerprints)."
         return "Parameter agreement: no mode finished."
     if agreement["ok"]:
-        worst = max(agreement["distance"].values())
+        loose = agreement.get("rtol_by_mode") or {}
+        worst = max((d for m, d in agreement["distance"].items() if m not in loose), default=0.0)
         return (f"Parameter agreement: OK (every mode's final parameters within {worst:.1e} of "
                 f"{agreement['reference']}'s update; tolerance {agreement['rtol']:.0e}).")
     parts = [f"{d['mode']} {d['distance']:.2g} from {agreement['reference']}" for d in agreement["disagree"]]
@@ -148,6 +189,7 @@ def markdown_table(result: dict[str, Any], workload: str, *, timing_claims: bool
         lines += [f"_{data['purpose']}_", ""]
     if not timing_claims:
         lines.append("_smoke run: numbers below are not timing claims_\n")
+    lines += [bracket_line(data.get("bracket")), ""]
     lines += main_table(data) + ["", agreement_line(data["loss_agreement"])]
     if "param_agreement" in data:  # results.json of runs before the parameter fingerprint have none
         lines += ["", param_agreement_line(data["param_agreement"])]

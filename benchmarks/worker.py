@@ -50,9 +50,9 @@ def _cuda_peak_mb(device) -> float | None:
 def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from benchmarks import memory
+    from benchmarks.bracket_modes import BRACKET_BUILDERS
     from benchmarks.breakdown import StepClock
     from benchmarks.checksum import param_checksum
     from benchmarks.config import IN_GRAPH_MODES
@@ -67,19 +67,22 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     cfg = GPTConfig(**spec["gpt"])
     torch.manual_seed(spec["seed"])
     model = GPT(cfg).to(device)
-    ddp_kwargs = {} if spec["bucket_cap_mb"] is None else {"bucket_cap_mb": spec["bucket_cap_mb"]}
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
+    ddp = None if mode == "floor" else _make_ddp(model, device, spec)  # floor: no DDP, no reducer hooks at all
     optimizer = make_optimizer(spec["optimizer"], model.parameters(), spec["optimizer_kwargs"])
 
     # the fingerprint of the final parameters is taken against these (see benchmarks/checksum.py)
     initial = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     recorder = None
-    if spec["record_overlap"] and mode not in IN_GRAPH_MODES:  # in-graph modes bypass DDP's comm hooks
+    # in-graph modes bypass DDP's comm hooks; a registered --comm-hook holds DDP's one hook slot
+    if spec["record_overlap"] and mode not in IN_GRAPH_MODES and not spec.get("comm_hook"):
         from ddp.overlap import OverlapRecorder
 
         recorder = OverlapRecorder.attach(ddp)
     mark = recorder.mark_backward_start if recorder is not None else (lambda: None)
-    step = BUILDERS[mode](ModeContext(ddp=ddp, optimizer=optimizer, backend=spec["backend"], mark_backward=mark))
+    reduce_dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.get("reduce_dtype")]
+    step = {**BUILDERS, **BRACKET_BUILDERS}[mode](ModeContext(
+        ddp=ddp, model=model, optimizer=optimizer, backend=spec["backend"], mark_backward=mark,
+        comm_hook=spec.get("comm_hook"), reduce_dtype=reduce_dtype))
 
     warmup, steps, profiled = spec["warmup"], spec["steps"], spec.get("profile_steps", 0)
     batches = [
@@ -148,11 +151,26 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         result["profile"] = _profile_result(profiler, spec, rank, pg_backend, result["info"])
     if recorder is not None:
         result["overlap"] = _overlap_result(recorder, spec, rank, result["info"])
-    elif spec["record_overlap"]:
+    elif spec["record_overlap"] and mode in IN_GRAPH_MODES:
         result["overlap"] = {"recorded": False, "reason": "ddp='in_graph': the compiled backward all-reduces, DDP's "
                                                           "comm hooks see nothing (see the profiler columns)"}
+    elif spec["record_overlap"]:
+        result["overlap"] = {"recorded": False, "reason": f"comm hook {spec['comm_hook']}: DDP takes one comm hook, "
+                                                          "so the recorder's cannot be registered (see the profiler columns)"}
     dist.barrier()  # rank 0 hosts the store: it exits (os._exit) only once no rank can still need it
     return result
+
+
+def _make_ddp(model, device, spec: dict[str, Any]):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp_kwargs = {} if spec["bucket_cap_mb"] is None else {"bucket_cap_mb": spec["bucket_cap_mb"]}
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
+    if spec.get("comm_hook") == "fp16" and spec["mode"] != "comm_only":  # comm_only all-reduces fp16 itself
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    return ddp
 
 
 def _profiler():

@@ -1,6 +1,8 @@
 """CI smoke of `python -m benchmarks --smoke`: every mode runs (or says why not), every mode ends with
 eager's parameters, and every metric the report shows is there (first-step breakdown, steady-state and
-tensor peaks, overlap from the comm hook and from the profiler).
+tensor peaks, overlap from the comm hook and from the profiler). The bracket modes run too: floor
+without any communication (its ranks end apart), comm_only with DDP's own buckets (checked against
+the buckets DDP's comm hook saw in the eager job), both outside the gates.
 
 No timing is asserted: the smoke preset makes no timing claims. Losses agree too easily to be the gate
 (after 3 steps a mode without any all-reduce ends within 1e-3 of eager's loss); the gate is each
@@ -26,7 +28,7 @@ from tests.procs import kill_marked
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 120  # per benchmark job (passed as --timeout); a normal smoke job takes 5-25 s
-RUN_TIMEOUT_S = 540  # the whole benchmark (10 jobs): one hung job (killed at JOB_TIMEOUT_S) plus every other job
+RUN_TIMEOUT_S = 600  # the whole benchmark (12 jobs): one hung job (killed at JOB_TIMEOUT_S) plus every other job
 DDP_HOOK_MODES = ("eager", "torch_ddpopt", "torch_nosplit", "torch_savvy", "ours_compile", "ours_step")
 """Modes whose all-reduce goes through DDP's reducer: the comm-hook recorder sees their buckets."""
 
@@ -66,7 +68,7 @@ def _replay(result: dict, *, ranks: tuple[int, ...], grad_scale: float = 1.0) ->
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
     from benchmarks.checksum import checksum_distance
-    from benchmarks.config import IN_GRAPH_MODES, MODES
+    from benchmarks.config import BRACKET_MODES, IN_GRAPH_MODES, MODES
 
     # A marker in the environment of the benchmark and of every rank it starts: the runner starts ranks
     # in sessions of their own, so on a timeout killing the benchmark's process group is not enough.
@@ -103,7 +105,9 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
     rtol = params["rtol"]
     assert rtol == 1e-5  # the aot_eager default (BenchConfig.param_rtol)
     assert params["reference"] == "eager" and params["ok"], params
-    for mode, agg in modes.items():
+    assert params["exempt"] == workload["loss_agreement"]["exempt"] == list(BRACKET_MODES)
+    trained = {m: a for m, a in modes.items() if m not in BRACKET_MODES}
+    for mode, agg in trained.items():
         assert checksum_distance(agg["param_checksum"], modes["eager"]["param_checksum"]) <= rtol, mode
         assert agg["rank_param_distance"] <= rtol, f"{mode}: ranks ended with different parameters"
 
@@ -116,42 +120,79 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
         assert checksum_distance(broken, eager) > 1000 * rtol
 
     # Losses still agree (the weaker check the table reports)
-    finished = {m: a["final_loss"] for m, a in modes.items()}
+    finished = {m: a["final_loss"] for m, a in trained.items()}
     assert workload["loss_agreement"]["ok"], workload["loss_agreement"]
     for mode, loss in finished.items():
         assert loss == pytest.approx(finished["eager"], rel=1e-3), mode
-    # every job ran 1 warm-up, 1 timed and 1 profiled step
+    # every job ran 1 warm-up, 1 timed and 1 profiled step (the bracket modes are never profiled)
     for job in result["jobs"]:
         for rank in job["ranks"]:
             if rank.get("ok"):
-                assert len(rank["losses"]) == 3 and len(rank["step_ms"]) == 1, job["job_id"]
-                assert len(rank["profiled_step_ms"]) == 1, job["job_id"]
+                profiled = 0 if job["mode"] in BRACKET_MODES else 1
+                assert len(rank["losses"]) == 2 + profiled and len(rank["step_ms"]) == 1, job["job_id"]
+                assert len(rank["profiled_step_ms"]) == profiled, job["job_id"]
 
     _check_metrics(modes)
+    _check_bracket(result, rtol)
 
     assert (out_dir / "step_ms.png").read_bytes()[:4] == b"\x89PNG"
     report = (out_dir / "BENCHMARKS.md").read_text()
     assert "python -m benchmarks --smoke" in report and "torch " in report
     assert "Parameter agreement: OK" in report
     assert "First step of comm, where the time goes" in report and "Ours vs PyTorch on comm" in report
+    assert "**Bracket: floor " in report and "Not gated: floor, comm_only" in report
+    assert "- link: plain loopback" in report and "- comm / `comm_only`: 3 all-reduces per step" in report
     for mode in IN_GRAPH_MODES:  # their overlap timeline comes from the profiler
         assert (out_dir / f"timeline_comm_{mode}.png").read_bytes()[:4] == b"\x89PNG", mode
     assert "| mode |" in out  # the markdown table went to stdout
     assert not list(tmp_path.glob("bench_inductor_*")), "the benchmark left its Inductor cache dirs behind"
 
 
+def _check_bracket(result: dict, rtol: float) -> None:
+    """floor never communicated, comm_only all-reduced DDP's own buckets and trained nothing, and every other
+    mode has its place in the bracket."""
+    import torch
+
+    from benchmarks.config import Workload
+    from examples.gpt import GPT, GPTConfig
+
+    workload = result["workloads"]["comm"]
+    modes = workload["modes"]
+    floor, comm = modes["floor"], modes["comm_only"]
+    # each floor rank followed its own gradient: the ranks end far apart (with any all-reduce they would match)
+    assert floor["rank_param_distance"] > 1000 * rtol, floor["rank_param_distance"]
+    assert floor["first_step"]["smoke"]["compile_s"] > 0 and floor["info"]["optimizer_compiled"]
+    assert set(comm["param_checksum"]["update_norm"]) == {0.0}, "comm_only changed the parameters"
+    # comm_only's buckets are the ones DDP's reducer really reduced in the eager job (after its rebuild), and
+    # they hold every parameter's gradient once
+    observed = modes["eager"]["overlap"]["observed_buckets"]
+    assert [set(b) for b in comm["info"]["buckets"]] == [set(b) for b in observed]
+    model = GPT(GPTConfig(**Workload(**result["config"]["workloads"][0]).gpt_kwargs()))
+    assert sum(comm["info"]["bucket_bytes"]) == sum(4 * p.numel() for p in model.parameters())
+    assert comm["info"]["wire_dtype"] == str(torch.float32).removeprefix("torch.")
+    b = workload["bracket"]
+    assert b["floor_ms"] == floor["step_ms"] > 0 and b["comm_only_ms"] == comm["step_ms"] > 0 and not b["missing"]
+    assert set(b["modes"]) == {m for m in modes if m not in ("floor", "comm_only")}
+    for mode, row in b["modes"].items():
+        assert row["over_floor_ms"] == pytest.approx(modes[mode]["step_ms"] - floor["step_ms"]), mode
+        assert 0.0 <= row["comm_hidden"] <= 1.0, (mode, row)
+
+
 def _check_metrics(modes: dict) -> None:
     """Every metric of the report is there, for the modes that can have it."""
-    from benchmarks.config import IN_GRAPH_MODES
+    from benchmarks.config import BRACKET_MODES, IN_GRAPH_MODES, NO_COMPILE_MODES
 
     for mode, agg in modes.items():
         first = agg["first_step"]["smoke"]
-        compiled = mode != "eager"
+        compiled = mode not in NO_COMPILE_MODES
         assert (first["compile_s"] > 0) == compiled and (first["dynamo_s"] > 0) == compiled, (mode, first)
         parts = sum(first[k] for k in ("dynamo_s", "aot_s", "inductor_s", "cpp_compile_s", "other_s"))
         assert parts == pytest.approx(first["wall_s"], rel=0.05, abs=0.05), (mode, first)
         assert all(v and v > 0 for v in agg["steady_peak_rss_mb_per_rank"]), mode
         assert agg["peak_rss_mb"] >= max(agg["steady_peak_rss_mb_per_rank"]) - 1, mode
+        if mode in BRACKET_MODES:  # no recorder, no profiler: nothing to overlap
+            assert agg["profile"] is None and agg["overlap"] is None, mode
+            continue
         prof = agg["profile"]
         assert prof["measured"] and prof["all_reduces"] >= 1 and prof["overlap_percent"] is not None, (mode, prof)
         assert all(p and p > 0 for p in prof["tensor_peak_mb_per_rank"]), (mode, prof)

@@ -364,3 +364,280 @@ def test_aggregate_and_tables_show_breakdown_memory_profiler_and_ratios():
     assert "| ours_step_in_backward | cold | 9.00 | 7.50 |" in text  # breakdown row: slowest rank of the cold job
     assert "400/410" in text and "12.5/12.5" in text and "| 0.43 | 0.46 | 0.38 |" in text
     assert "| - / 70 | - / 3.0 |" in text  # no recorder in this job; the profiler's 70 % and 3.0 ms
+
+
+# -- the bracket: floor and comm_only (benchmarks/bracket.py) ------------------------------------------------
+
+
+def _timed(ms: float, **extra) -> dict:
+    return {"status": "ok", "step_ms": ms, **extra}
+
+
+def test_comm_hidden_is_the_share_of_comm_only_the_mode_did_not_add_and_is_clamped_with_its_side():
+    from benchmarks.bracket import hidden_share
+
+    # floor 100 ms, comm_only 40 ms: 110 ms hid 3/4 of the communication, 140 ms none, 100 ms all
+    assert hidden_share(110.0, 100.0, 40.0) == (pytest.approx(0.75), pytest.approx(0.75), None)
+    assert hidden_share(140.0, 100.0, 40.0)[0] == pytest.approx(0.0)
+    assert hidden_share(100.0, 100.0, 40.0)[0] == pytest.approx(1.0)
+    # slower than floor + comm_only: clamped to 0, the raw value kept and the side named
+    assert hidden_share(160.0, 100.0, 40.0) == (0.0, pytest.approx(-0.5), "below")
+    # faster than the floor: clamped to 1
+    assert hidden_share(90.0, 100.0, 40.0) == (1.0, pytest.approx(1.25), "above")
+
+
+def test_bracket_gives_every_other_finished_mode_its_overhead_and_comm_hidden():
+    from benchmarks.bracket import bracket
+
+    modes = {"floor": _timed(200.0), "comm_only": _timed(50.0), "eager": _timed(240.0),
+             "ours_step": _timed(210.0), "torch_savvy": _timed(300.0),
+             "ours_in_graph": {"status": "failed", "error": "boom"}}
+    b = bracket(modes)
+    assert (b["floor_ms"], b["comm_only_ms"], b["upper_ms"], b["missing"]) == (200.0, 50.0, 250.0, [])
+    assert set(b["modes"]) == {"eager", "ours_step", "torch_savvy"}  # not the bracket, not the failed mode
+    eager = b["modes"]["eager"]
+    assert eager["over_floor_ms"] == pytest.approx(40.0) and eager["over_floor_pct"] == pytest.approx(20.0)
+    assert eager["comm_hidden"] == pytest.approx(0.2) and eager["clamped"] is None
+    assert b["modes"]["ours_step"]["comm_hidden"] == pytest.approx(0.8)
+    savvy = b["modes"]["torch_savvy"]
+    assert (savvy["comm_hidden"], savvy["clamped"]) == (0.0, "below") and savvy["comm_hidden_raw"] == pytest.approx(-1.0)
+
+
+def test_bracket_without_comm_only_still_gives_overhead_and_says_what_is_missing():
+    from benchmarks.bracket import (
+        bracket,
+        bracket_line,
+        comm_hidden_cell,
+        over_floor_cell,
+    )
+
+    b = bracket({"floor": _timed(100.0), "comm_only": {"status": "failed", "error": "timed out"},
+                 "eager": _timed(130.0)})
+    assert b["upper_ms"] is None and b["missing"] == ["comm_only failed: timed out"]
+    assert b["modes"]["eager"] == {"over_floor_ms": pytest.approx(30.0), "over_floor_pct": pytest.approx(30.0)}
+    assert over_floor_cell(b, "eager") == "+30.0 (+30%)" and comm_hidden_cell(b, "eager") == "-"
+    assert "comm hidden needs both" in bracket_line(b) and "comm_only failed" in bracket_line(b)
+    none = bracket({"eager": _timed(130.0)})
+    assert none["modes"] == {} and "floor not run (add it to --modes)" in bracket_line(none)
+    assert over_floor_cell(none, "eager") == "-"
+
+
+def test_bracket_cells_and_line_name_the_clamped_side():
+    from benchmarks.bracket import (
+        bracket,
+        bracket_line,
+        comm_hidden_cell,
+        over_floor_cell,
+    )
+
+    b = bracket({"floor": _timed(100.0), "comm_only": _timed(20.0), "slow": _timed(150.0), "fast": _timed(95.0),
+                 "mid": _timed(110.0)})
+    assert comm_hidden_cell(b, "mid") == "50"
+    assert comm_hidden_cell(b, "slow") == "0 (raw -150: slower than floor + comm_only)"
+    assert comm_hidden_cell(b, "fast") == "100 (raw 125: faster than floor)"
+    assert over_floor_cell(b, "fast") == "-5.0 (-5%)"
+    assert over_floor_cell(b, "floor") == comm_hidden_cell(b, "comm_only") == "bracket"
+    line = bracket_line(b)
+    assert "floor 100.0 ms" in line and "floor + comm_only 120.0 ms" in line and "clamped to 0-100 %" in line
+
+
+def _fingerprint(deltas: dict) -> dict:
+    import torch
+
+    from benchmarks.checksum import param_checksum
+
+    return param_checksum({n: torch.tensor(v) for n, v in deltas.items()},
+                          {n: torch.zeros(len(v)) for n, v in deltas.items()})
+
+
+def _fingerprinted(checksum, *, loss=2.0, ranks=0.0) -> dict:
+    return {"status": "ok", "final_loss": loss, "final_loss_jobs": [loss], "param_checksum": checksum,
+            "rank_param_distance": ranks, "param_checksum_jobs": [checksum]}
+
+
+def test_the_gates_exempt_the_bracket_modes_and_the_tables_label_them():
+    from benchmarks.aggregate import loss_agreement, param_agreement
+    from benchmarks.bracket import bracket
+    from benchmarks.tables import markdown_table
+
+    good = _fingerprint({"w": [1.0, -2.0, 0.5]})
+    own = _fingerprint({"w": [1.3, -1.6, 0.2]})  # floor: each rank followed its own gradient
+    still = _fingerprint({"w": [0.0, 0.0, 0.0]})  # comm_only: trains nothing
+    modes = {"floor": {**_fingerprinted(own, loss=2.4, ranks=0.5), "step_ms": 90.0},
+             "comm_only": {**_fingerprinted(still, loss=0.0), "step_ms": 20.0},
+             "eager": {**_fingerprinted(good), "step_ms": 100.0}, "ours_step": {**_fingerprinted(good), "step_ms": 95.0}}
+    loss = loss_agreement(modes, rtol=1e-3, atol=1e-4)
+    params = param_agreement(modes, rtol=1e-5)
+    assert loss["ok"] and params["ok"] and loss["exempt"] == params["exempt"] == ["floor", "comm_only"]
+    assert set(params["distance"]) == {"eager", "ours_step"}
+    # without the exemption the same data fails both gates: the exemption is what lets it pass
+    gated = {"eager": modes["eager"], "floor_like": modes["floor"]}
+    assert loss_agreement(gated, rtol=1e-3, atol=1e-4)["ok"] is False and param_agreement(gated, rtol=1e-5)["ok"] is False
+
+    for a in modes.values():
+        a.update(step_ms_min=a["step_ms"], step_ms_max=a["step_ms"], pieces=None, first_step_s_warm=1.0,
+                 first_step_s_cold=None, first_step_s_smoke=None)
+    data = {"description": "d", "modes": modes, "loss_agreement": loss, "param_agreement": params,
+            "bracket": bracket(modes)}
+    text = markdown_table({"workloads": {"w": data}}, "w")
+    assert "| floor | ok (bracket, not gated) | - | 90.0 | 90.0-90.0 | bracket | bracket |" in text
+    assert "| comm_only | ok (bracket, not gated) |" in text and "n/a (no training)" in text
+    assert "2.40000 (own data per rank)" in text and "**DISAGREES**" not in text
+    assert "| eager | ok | - | 100.0 | 100.0-100.0 | +10.0 (+11%) | 50 |" in text
+    assert text.count("Not gated: floor, comm_only (bracket modes: they do not train like eager DDP).") == 2
+    assert text.index("**Bracket: floor 90.0 ms**") < text.index("| mode |")  # the bracket tops the table
+
+
+def test_param_gate_loosened_for_16_bit_reductions_only_and_says_so():
+    from benchmarks.aggregate import param_agreement
+    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.tables import param_agreement_line
+
+    ref = _fingerprint({"w": [1.0, -2.0, 0.5]})
+    bf16 = _fingerprint({"w": [1.0, -2.0, 0.5 + 2e-3]})  # a 16-bit all-reduce lands ~1e-3 away
+    modes = {"eager": _fingerprinted(ref), "ours_in_graph": _fingerprinted(bf16), "ours_compile": _fingerprinted(bf16)}
+    cfg = BenchConfig(workloads=(Workload(name="w"),), backend="aot_eager", reduce_dtype="bf16",
+                      modes=("eager", "ours_compile", "ours_in_graph"))
+    assert cfg.param_tolerances() == {"ours_in_graph": 3e-2}
+    got = param_agreement(modes, rtol=cfg.param_tolerance(), rtol_by_mode=cfg.param_tolerances(), loosened_because="x")
+    # ours_compile reduces in fp32: the same distance fails it
+    assert got["ok"] is False and [d["mode"] for d in got["disagree"]] == ["ours_compile"]
+    del modes["ours_compile"]
+    ok = param_agreement(modes, rtol=1e-5, rtol_by_mode={"ours_in_graph": 3e-2}, loosened_because="bf16 wire")
+    assert ok["ok"] and "ours_in_graph gated at 3e-02 (bf16 wire; up to" in param_agreement_line(ok)
+    assert BenchConfig(workloads=(Workload(name="w"),)).param_tolerances() == {}
+
+
+# -- new flags: --link-gbit, --comm-hook, --reduce-dtype -------------------------------------------------------
+
+
+def test_new_flags_reach_the_config_and_every_job():
+    from benchmarks.suite import CacheDirs, plan_round
+
+    cfg = _cfg("--smoke", "--link-gbit", "2.5", "--comm-hook", "fp16", "--modes", "eager,ours_in_graph")
+    assert (cfg.link_gbit, cfg.comm_hook, cfg.reduce_dtype) == (2.5, "fp16", None)
+    assert cfg.link().qdisc_args()[-6:] == ["rate", "2500000000bit", "burst", "256kb", "latency", "100ms"]
+    assert cfg.to_dict()["link_gbit"] == 2.5  # results.json records the link
+    assert _cfg("--reduce-dtype", "bf16").reduce_dtype == "bf16" and _cfg().comm_hook is None and _cfg().link() is None
+    caches = CacheDirs()
+    try:
+        jobs = list(plan_round(cfg, 1, caches))
+    finally:
+        caches.cleanup()
+    assert all((j.worker["comm_hook"], j.worker["link_gbit"], j.worker["reduce_dtype"]) == ("fp16", 2.5, None)
+               for j in jobs)
+    with pytest.raises(SystemExit):  # argparse: bf16_compress_hook is not offered (DDP refuses it on CPU)
+        _cfg("--comm-hook", "bf16")
+
+
+def test_new_config_values_are_checked_naming_the_value_and_the_fix():
+    from benchmarks.config import BenchConfig, Workload
+
+    w = (Workload(name="w"),)
+    for bad in (0.0, -5.0, float("nan"), float("inf"), True, 1e-7):
+        with pytest.raises(ValueError, match="--link-gbit"):
+            BenchConfig(workloads=w, link_gbit=bad)
+    with pytest.raises(ValueError, match="comm_hook='bf16'.*CUDA"):
+        BenchConfig(workloads=w, comm_hook="bf16")
+    with pytest.raises(ValueError, match="changes none of the modes.*floor"):
+        BenchConfig(workloads=w, modes=("floor",), comm_hook="fp16")
+    with pytest.raises(ValueError, match="reduce_dtype='fp32'"):
+        BenchConfig(workloads=w, reduce_dtype="fp32")
+    with pytest.raises(ValueError, match="--reduce-dtype bf16 applies to.*ours_in_graph.*none of them"):
+        BenchConfig(workloads=w, modes=("eager", "ours_step"), reduce_dtype="bf16")
+    with pytest.raises(ValueError, match="--reduce-dtype bf16 conflicts with --comm-hook fp16"):
+        BenchConfig(workloads=w, reduce_dtype="bf16", comm_hook="fp16")
+    assert BenchConfig(workloads=w, reduce_dtype="fp16", comm_hook="fp16").reduce_dtype == "fp16"  # same wire
+
+
+def test_bracket_modes_get_one_kind_of_job_each_and_no_scaling_or_overlap_jobs(tmp_path):
+    from benchmarks.suite import CacheDirs, plan_overlap, plan_round
+
+    cfg = _cfg("--modes", "floor,comm_only,eager", "--workloads", "comm", "--out-dir", str(tmp_path))
+    caches = CacheDirs(tmp_path)
+    try:
+        r1 = [(j.mode, j.kind) for j in plan_round(cfg, 1, caches)]
+        r2 = [(j.mode, j.kind) for j in plan_round(cfg, 2, caches)]
+        overlap = [j.mode for j in plan_overlap(cfg, caches)]
+    finally:
+        caches.cleanup()
+    # floor compiles (cold, then warm); comm_only compiles nothing (one job, like eager)
+    assert r1 == [("floor", "cold"), ("floor", "warm"), ("comm_only", "warm"), ("eager", "warm"), ("eager", "single")]
+    assert sorted(r2) == [("comm_only", "warm"), ("eager", "warm"), ("floor", "warm")]
+    assert overlap == ["eager"]
+    quick = _cfg("--quick", "--modes", "floor,comm_only,eager", "--out-dir", str(tmp_path))
+    caches = CacheDirs(tmp_path)
+    try:
+        recorded = {j.mode: j.worker["record_overlap"] for j in plan_round(quick, 1, caches)}
+    finally:
+        caches.cleanup()
+    assert recorded == {"floor": False, "comm_only": False, "eager": True}
+
+
+# -- the shaped link's availability check (benchmarks/link.py) ---------------------------------------------
+
+
+def _fake_tools(folder, **scripts: str) -> str:
+    """A PATH folder with shell scripts of the link's tool names (body per name; missing names: no file)."""
+    folder.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        path = folder / name
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+    return str(folder)
+
+
+def test_link_check_names_every_missing_tool_and_root_in_one_line(tmp_path):
+    from benchmarks.link import LinkShape, unavailable_reason
+
+    shape = LinkShape(rate_gbit=5)
+    msg = unavailable_reason(shape, path=_fake_tools(tmp_path / "bin", ip="exit 0", sh='exec /bin/sh "$@"'),
+                             euid=1000)
+    assert msg.startswith("--link-gbit 5 cannot shape the link: not on PATH: unshare, nsenter, tc ")
+    assert "not running as root (euid 1000)" in msg and "drop --link-gbit" in msg and "\n" not in msg
+    assert "ip," not in msg.split("cannot shape the link:")[1].split("(")[0]  # ip was found
+    everything = unavailable_reason(shape, path=str(tmp_path / "empty"), euid=0)
+    assert "not on PATH: unshare, nsenter, ip, tc, sh" in everything and "not running as root" not in everything
+
+
+def test_link_check_runs_a_trial_namespace_and_reports_why_it_failed(tmp_path):
+    from benchmarks.link import LinkShape, unavailable_reason
+
+    # every tool there, but unshare is refused (as in an unprivileged container): the trial says why
+    path = _fake_tools(tmp_path / "bin", unshare="echo 'unshare: unshare failed: Operation not permitted' >&2; exit 1",
+                       nsenter="exit 0", ip="exit 0", tc="exit 0", sh='exec /bin/sh "$@"')
+    msg = unavailable_reason(LinkShape(rate_gbit=5), path=path, euid=0)
+    assert "the trial namespace failed" in msg and "Operation not permitted" in msg and "code 1" in msg
+
+
+def test_link_unavailable_exits_2_with_one_error_before_any_job(monkeypatch, capsys, tmp_path):
+    from benchmarks import cli, link, suite
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # none of unshare, nsenter, ip, tc, sh
+    monkeypatch.setattr(suite, "run_suite", lambda *a, **k: pytest.fail("a job ran on an unavailable link"))
+    assert link.find_tools()[1] == list(link.TOOLS)
+    assert cli.main(["--smoke", "--no-plot", "--link-gbit", "5", "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--link-gbit 5 cannot shape the link: not on PATH: unshare" in err
+
+
+def test_shaped_namespace_shapes_lo_and_leaves_nothing_behind():
+    import os
+    import subprocess
+
+    from benchmarks.link import LinkShape, ShapedNamespace, unavailable_reason
+
+    shape = LinkShape(rate_gbit=5)
+    why = unavailable_reason(shape)
+    if why:
+        pytest.skip(f"needs root, unshare, nsenter, ip and tc: {why}")
+    with ShapedNamespace(shape) as ns:
+        inside = subprocess.run([*ns.prefix(), "tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True,
+                                check=True).stdout
+        links = subprocess.run([*ns.prefix(), "ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+        holder = ns.prefix()[1].split("/")[2]
+    assert "tbf" in inside and "rate 5Gbit" in inside
+    assert [line.split(": ")[1] for line in links.splitlines()] == ["lo"]  # a fresh namespace: lo only
+    outside = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True, check=True).stdout
+    assert "tbf" not in outside  # the machine's own loopback was never touched
+    assert not os.path.exists(f"/proc/{holder}")  # the holder is gone, and with it the namespace
