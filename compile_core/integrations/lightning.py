@@ -122,25 +122,6 @@ class DDPCompileStrategy(DDPStrategy):
         self._first_step = FirstStepLog(log, type(self).__name__)
         return ddp_model
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self._compiled is not None and self.compile_config.ddp == "in_graph":
-            self._zero_grad_before_forward(batch_idx)
-
-    def _zero_grad_before_forward(self, batch_idx: int) -> None:
-        # Lightning zeroes gradients between training_step and its backward, on the first batch of
-        # each accumulation window (lightning/pytorch/loops/optimization/automatic.py). ddp="in_graph"
-        # decides at the forward whether gradients were accumulated (ddp/in_graph/runtime.py): the
-        # previous step's gradients, still there then, would be added into this step's reduction.
-        # So that zeroing is done first, through the same LightningModule hook; Lightning's own call
-        # then finds nothing left to clear.
-        lightning_module = self.lightning_module
-        trainer = lightning_module.trainer
-        if batch_idx % trainer.accumulate_grad_batches:
-            return  # inside an accumulation window: the gradients must stay
-        for optimizer in self.optimizers:
-            lightning_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
-
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._compiled is None:
             raise RuntimeError("DDPCompileStrategy.training_step ran before the strategy set up the model")

@@ -22,14 +22,12 @@ pytest.importorskip("lightning", reason='needs the [lightning] extra: pip instal
 STEPS = 3
 JOB_TIMEOUT_S = 240
 COMPILED = ("--backend", "aot_eager", "--steps", str(STEPS))
-# split: two micro-batches per optimizer step (DDP's no_sync() under Lightning's accumulation, too).
-# in_graph: one, and its own baseline: with accumulation, training_step's graph break (self.log)
-# keeps the in-graph buckets from being used (see README, "With Lightning").
+# Two micro-batches per optimizer step (DDP's no_sync() under Lightning's accumulation), and
+# Lightning's order: training_step (the forward), then zero_grad, then the backward.
 TRAINER_RUNS = {"ddp_acc2": ("--strategy", "ddp", "--steps", str(STEPS), "--accumulate", "2"),
                 "split": (*COMPILED, "--ddp-mode", "split", "--accumulate", "2"),
-                "ddp": ("--strategy", "ddp", "--steps", str(STEPS)),
-                "in_graph": (*COMPILED, "--ddp-mode", "in_graph")}
-BASELINE = {"split": "ddp_acc2", "in_graph": "ddp"}
+                "in_graph": (*COMPILED, "--ddp-mode", "in_graph", "--accumulate", "2")}
+BASELINE = {"split": "ddp_acc2", "in_graph": "ddp_acc2"}
 FABRIC_RUNS = {"ddp": ("--strategy", "ddp", "--steps", str(STEPS)), "split": (*COMPILED, "--ddp-mode", "split")}
 
 
@@ -96,10 +94,11 @@ def test_trainer_strategy_trains_like_lightning_ddp(trainer_runs, mode):
     if mode == "split":
         assert max(g["pieces"] for g in report["graphs"]) >= 3, report["graphs"]
         assert report["alignment"]["status"] == "aligned", report["alignment"]
-    else:  # one piece per graph; the main graph all-reduces several buckets inside its backward
+    else:  # one piece per graph; at the sync micro-batch the main graph all-reduces several buckets
+        # inside its backward (the no_sync micro-batch compiled the local variant first)
         assert {g["pieces"] for g in report["graphs"]} == {1}, report["graphs"]
-        main = report["graphs"][0]
-        assert main["variant"] == "reduce" and len(main["buckets"]) >= 3, report["graphs"]
+        reducing = [g for g in report["graphs"] if g["variant"] == "reduce"]
+        assert reducing and max(len(g["buckets"]) for g in reducing) >= 3, report["graphs"]
 
 
 @pytest.mark.parametrize("mode", ["split", "in_graph"])
