@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 
 import pytest
 import torch
@@ -86,6 +87,22 @@ def test_each_piece_compiled_by_one_rank_of_the_job_and_shipped_rank_specific_ne
         assert rows[rank][head]["source"] == "compiled here", rows[rank][head]
         assert rows[rank][head].get("waited_for") is None and rows[rank][head]["key"] != rows[1 - rank][head]["key"]
     assert sum(r["counters"]["aot_autograd"].get("autograd_cache_miss", 0) for r in cold) == 3 + 2  # 3 shared + 2 heads
+    # Nothing of node 0's file system came along in what runs: no entry installed on node 1 names node 0's
+    # cache dir, except Inductor's debug repro script (`runnable_graph_str`, only ever written to TORCH_TRACE).
+    node0 = os.path.join(str(tmp_path), "node0").encode()
+    checked = 0
+    for sub in ("aotautograd", "fxgraph"):
+        for root, _, files in os.walk(os.path.join(str(tmp_path), "node1", sub)):
+            for name in files:
+                with open(os.path.join(root, name), "rb") as f:
+                    data = f.read()
+                if sub == "fxgraph" and node0 in data:
+                    entry = pickle.loads(data)
+                    entry.runnable_graph_str = ""
+                    data = pickle.dumps(entry)
+                assert node0 not in data, os.path.join(root, name)
+                checked += 1
+    assert checked >= 3 + 6  # the shipped pieces' AOT entries and their forward/backward FX entries
 
     # The job restarts on the same nodes: every piece from the node's own cache, no claim, no wait, no miss.
     warm = run_ranks(as_node, str(tmp_path), 2, world_size=2, timeout=600)
