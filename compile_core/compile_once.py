@@ -15,12 +15,18 @@ Algorithm, for a batch of graphs (the pieces of one split graph, or one whole gr
   2. Reuse. Pieces whose key was compiled before in this model (in this batch or an earlier one)
      reuse that callable: `graph_0.piece_3 reused from graph_0.piece_1`.
   3. Claims (Inductor with its disk caches on). The distinct keys are compiled under a claim per
-     key in Inductor's cache directory (inductor/claims.py), which the ranks of a node share. Each
-     rank starts at its own offset in the list and first compiles what nobody else has claimed;
-     then it waits for the claims others hold, bounded by `DDP_COMPILE_CLAIM_TIMEOUT_S` (default
-     300 s), saying for whom it waits, and loads their result from the cache (an AOTAutograd cache
-     hit: no trace, no lowering). If the holder failed or died, or the wait timed out, it compiles
-     the piece itself. Every rank ends with the same compiled pieces.
+     key. In a distributed job the claims are job-wide, in the default process group's store
+     (inductor/store_claims.py): one rank of the whole job compiles a key and ships the compile
+     through the store (inductor/artifacts.py), the others, on any node, install it into their own
+     cache dir. Without a process group, processes sharing the cache dir claim through files there
+     (inductor/claims.py). Each rank starts at its own offset in the list and first compiles what
+     nobody else has claimed; then it waits for the claims others hold, bounded by
+     `DDP_COMPILE_CLAIM_TIMEOUT_S` (default 300 s), saying for whom it waits, and loads their result
+     (an AOTAutograd cache hit: no trace, no lowering). If the holder failed or died (store claims: no
+     liveness for `DDP_COMPILE_LEADER_DEAD_S`, default 60 s), or the wait timed out, it compiles the
+     piece itself. A key this node compiled or installed before is marked in its cache dir
+     (`ddp_compile/local/<key>`) and taken from there without a claim (a restart, a second run).
+     The key includes the inputs' devices with their index: Inductor's own keys do.
   4. Caches. Pieces compile without Dynamo's "fakify first call" (which makes AOTAutograd bypass its
      cache; the splitter propagates metadata itself) and with the backward compiled together with
      the forward (aot/torch_dynamo.py:non_lazy_backward), so the cache entry of every piece, forward
@@ -28,7 +34,8 @@ Algorithm, for a batch of graphs (the pieces of one split graph, or one whole gr
      (same cache directory) takes every piece from the AOTAutograd cache.
   5. Report. Each compile is one `PieceRecord`: reused from which piece, cache outcome
      (`aot cache hit`, `aot cache miss, fx cache 2 miss`, `aot cache bypass (reason)`), seconds,
-     who it waited for and how that went. Rank 0 logs one INFO line per piece as it is done (other
+     who it waited for and how that went, and its `source`: compiled here, from rank N, from the
+     local cache, or reused. Rank 0 logs one INFO line per piece as it is done (other
      ranks at DEBUG, the wait lines at INFO on every rank). On a cache hit AOTAutograd never hands
      us the graphs, so the forward/backward sizes of each pair are kept in a small JSON file next to
      the claims when compiled and read back on a hit.
@@ -42,7 +49,6 @@ prints AOTAutograd's cache decisions; `ls $TORCHINDUCTOR_CACHE_DIR/ddp_compile/c
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -52,11 +58,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
-from aot import GraphPair
 from aot.structure import structural_key
-from aot.torch_dynamo import CacheOutcome
+from compile_core.piece_records import Compiled, Job, PieceRecord, Wait
 from ddp import torch_ddp
 from ddp.agreement import env_seconds
 from inductor.claims import CompileClaims, Holder
@@ -81,85 +85,6 @@ def leader_dead_s() -> float:
     """How long a compiling rank may go without a liveness bump before another takes over its compile
     (`DDP_COMPILE_LEADER_DEAD_S`, default 60)."""
     return env_seconds(LEADER_DEAD_ENV, DEFAULT_LEADER_DEAD_S)
-
-
-@dataclasses.dataclass
-class Compiled:
-    """What compiling one graph produced (the fallback chain's answer)."""
-
-    fn: Callable[..., Any]
-    used_aot: bool
-    backend: str
-    """The backend that compiled it (after fallbacks)."""
-    cache: CacheOutcome
-    pair: GraphPair | None = None
-
-
-@dataclasses.dataclass
-class PieceRecord:
-    """How one graph or piece came to be compiled (one per piece, reused ones included)."""
-
-    name: str
-    key: str | None
-    """Structural key (None: never shared)."""
-    cache: str
-    """`reused`, or the cache outcome (`aot cache hit`, `aot cache miss, fx cache 2 miss`, ...)."""
-    seconds: float
-    """Wall time to compile or load it (waiting excluded)."""
-    backend: str = ""
-    reused_from: str | None = None
-    waited_s: float = 0.0
-    """Time spent waiting for another process's claim."""
-    waited_for: str | None = None
-    """Who held the claim (`rank 0 (pid 123)`)."""
-    leader: str | None = None
-    """How the wait ended: done (loaded their compile), failed: <why>, died, or timed out."""
-    source: str = "compiled here"
-    """Where it came from: `compiled here`, `from rank N` (its compile, shipped or in a shared cache
-    dir), `from the local cache` (this node compiled it before), or `reused` (an identical piece)."""
-    received_bytes: int = 0
-    """Bytes of another rank's compile installed into this node's cache for it."""
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "key": self.key, "cache": self.cache, "seconds": round(self.seconds, 4),
-               "backend": self.backend, "reused_from": self.reused_from, "source": self.source}
-        if self.waited_for is not None or self.leader is not None:
-            out.update(waited_s=round(self.waited_s, 3), waited_for=self.waited_for, leader=self.leader,
-                       received_bytes=self.received_bytes)
-        return out
-
-    def line(self) -> str:
-        if self.reused_from is not None:
-            return f"{self.name} reused from {self.reused_from} ({self.seconds:.2f} s)"
-        verb = "loaded" if self.cache.startswith("aot cache hit") else "compiled"
-        where = "" if self.source == "compiled here" else f", {self.source}"
-        text = f"{self.name} {verb} ({self.cache}{where}) {self.seconds:.2f} s"
-        if self.waited_for is not None:
-            text += f" after waiting {self.waited_s:.1f} s for {self.waited_for} ({self.leader})"
-        return text
-
-
-@dataclasses.dataclass
-class Wait:
-    """How waiting for another rank's claim ended, whichever kind of claim it was."""
-
-    holder: Holder | None
-    outcome: str
-    seconds: float
-    received_bytes: int = 0
-    meta: dict = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def of(cls, wait: Any) -> "Wait":
-        return cls(holder=wait.holder, outcome=wait.outcome, seconds=wait.seconds,
-                   received_bytes=getattr(wait, "installed_bytes", 0), meta=getattr(wait, "meta", {}))
-
-
-@dataclasses.dataclass
-class Job:
-    gm: fx.GraphModule
-    inputs: list
-    name: str
 
 
 def _rank() -> tuple[int, int]:

@@ -47,8 +47,8 @@ DEMO_WITH_KILL = textwrap.dedent(
 # --mode compile (compiled model, eager AdamW): bit-identical parameters are expected. train_step's
 # compiled update is not bit-identical across a restart: its first update after any start runs eagerly
 # (docs/launch.md, "Restarts").
-TINY = ["--mode", "compile", "--backend", "aot_eager", "--steps", "10", "--checkpoint-every", "3", "--d-model", "32", "--layers", "1",
-        "--vocab", "64", "--seq-len", "16", "--batch", "2", "--log-level", "WARNING"]
+TINY = ["--mode", "compile", "--backend", "aot_eager", "--steps", "10", "--checkpoint-every", "3",
+        "--d-model", "32", "--layers", "1", "--vocab", "64", "--seq-len", "16", "--batch", "2", "--log-level", "WARNING"]
 TWO_NODES = ["--nnodes", "2", "--nproc-per-node", "1"]
 
 
@@ -71,7 +71,8 @@ def run_demo(j: LaunchJob, kill_at: str):
     ckpt = j.workdir / "ckpt"
     res, _ = j.run(*TWO_NODES, "--max-restarts", "2", "--inductor-cache-dir", str(j.workdir / "cache"),
                    env={"KILL_AT": kill_at}, timeout=240, script_args=(*TINY, "--checkpoint-dir", str(ckpt)))
-    return res, torch.load(ckpt / "step_00000010.pt", weights_only=True) if (ckpt / "step_00000010.pt").exists() else None
+    final = ckpt / "step_00000010.pt"
+    return res, torch.load(final, weights_only=True) if final.exists() else None
 
 
 @pytest.mark.timeout(300)

@@ -87,7 +87,8 @@ def test_slurm_dry_run_is_two_nodes_with_restarts():
     assert res.stdout.count("#SBATCH --job-name=train_gpt-") == 2  # one hetjob group per node
     script = res.stdout.partition("# SBATCH_SCRIPT")[2]
     runs = [line for line in script.splitlines() if "exec torchrun" in line]
-    assert len(runs) == 2 and all("torchrun --max-restarts 2 " in r and "--nnodes 2 --nproc_per_node 1" in r for r in runs)
+    assert len(runs) == 2, runs
+    assert all("torchrun --max-restarts 2 " in r and "--nnodes 2 --nproc_per_node 1" in r for r in runs), runs
     assert all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r for r in runs), runs
 
 

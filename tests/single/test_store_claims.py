@@ -96,7 +96,8 @@ def test_a_damaged_shipment_is_compiled_here_not_installed(tmp_path):
     claim.release()
     store.set("ddp_compile/compile/k5/blob/0/0", b"DDPCA001 tampered")  # not what the hash says
     got, wait = claims(store, 1, tmp_path / "b").wait_claim("k5")
-    assert got is None and wait.outcome.startswith("failed: its compile could not be installed here") and "sha256" in wait.outcome
+    assert got is None and "sha256" in wait.outcome
+    assert wait.outcome.startswith("failed: its compile could not be installed here"), wait.outcome
 
 
 def test_unpack_refuses_foreign_truncated_and_path_escaping_blobs(tmp_path):
