@@ -1,8 +1,9 @@
 """Rank script of the node benchmark (benchmarks/nodes.py): the demo (examples/train_gpt.py), timed per rank.
 
-Each rank writes `<NODES_BENCH_OUT>/rank<R>.attempt<A>.json` when its run ends: first step seconds (and
-when it ended), median later step ms, compile seconds (compiling or loading, waiting for other ranks
-excluded, from the report's per-piece records), AOTAutograd cache misses, and where each piece came from.
+Each rank writes `<NODES_BENCH_OUT>/rank<R>.attempt<A>.json` when its run ends: when the process
+started, first step seconds (and when it ended), median later step ms, compile seconds (compiling or
+loading, waiting for other ranks excluded, from the report's per-piece records), AOTAutograd cache
+misses, and where each piece came from.
 With `KILL_AT=RANK:STEP`, that rank SIGKILLs itself when it fetches the batch of step index STEP in the
 job's first attempt, after writing `death.json` (the time of death).
 """
@@ -17,11 +18,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import examples.train_gpt as demo  # noqa: E402
-
+STARTED = time.time()  # before torch and the demo are imported: the rank's own start-up is measured too
 OUT = os.environ["NODES_BENCH_OUT"]
 RANK = int(os.environ.get("RANK", "0"))
-ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+# After the death every rank is a restarted one (torchrun's own count stays 0 on the node that restarted
+# for the other node's failure).
+ATTEMPT = 1 if os.path.exists(os.path.join(OUT, "death.json")) else 0
+
+import examples.train_gpt as demo  # noqa: E402
 KILL = tuple(int(v) for v in os.environ["KILL_AT"].split(":")) if os.environ.get("KILL_AT") else None
 times: list[tuple[float, float]] = []  # (seconds, end time) per step
 reports: list = []
@@ -60,7 +64,7 @@ def _write() -> None:
     distinct = [p for p in pieces if p.get("source") != "reused" and not p.get("reused_from")]
     out = {
         "rank": RANK, "attempt": ATTEMPT, "node": int(os.environ.get("GROUP_RANK", "0")),
-        "first_step_s": times[0][0], "first_step_end": times[0][1],
+        "started": STARTED, "first_step_s": times[0][0], "first_step_end": times[0][1],
         "steady_ms": statistics.median(t for t, _ in times[1:]) * 1e3 if len(times) > 1 else None,
         "compile_s": sum(p.get("seconds", 0.0) for p in distinct),
         "report_compile_s": d.get("compile_seconds"),
@@ -72,9 +76,14 @@ def _write() -> None:
         json.dump(out, f)
 
 
+def _train(real):
+    def train(*args, **kwargs):
+        real(*args, **kwargs)
+        _write()  # while the process group (and its store, which report() reads) is still there
+    return train
+
+
 demo.synthetic_batch = _batch(demo.synthetic_batch)
 demo.build_step = _build_step(demo.build_step)
-try:
-    demo.main()
-finally:
-    _write()
+demo.train = _train(demo.train)
+demo.main()

@@ -21,6 +21,11 @@ they live in the AppDef itself rather than in the local launcher:
   Python stack (rules in launch/watchdog.py). The watchdog runs on the node because heartbeats are shared
   memory maps (microseconds per beat) and stacks are fetched with SIGUSR1: both need the rank's host.
 
+* past one node: ``max_restarts`` (torchrun restarts the job after a rank dies; each attempt gets a fresh
+  rendezvous store, see ``_job_env``), ``node_cache_dirs`` (several nodes on one host, each with its own
+  cache dir, as separate hosts would have) and ``rdzv_endpoint``/``rdzv_id`` (nodes started one by one,
+  ``python -m launch --rdzv-endpoint`` on each host).
+
 Everything else (``-j``, rendezvous, retries, resources, mounts) is delegated to
 ``torchx.components.dist.ddp``. This file is also executed standalone by
 ``torchx run launch/components.py:trainer``: it must stay self-contained (absolute imports only) and
