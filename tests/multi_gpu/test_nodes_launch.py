@@ -145,6 +145,8 @@ HOST_SCRIPT = textwrap.dedent(
     dist.all_reduce(t)
     print(f"RESULT rank={dist.get_rank()} world={dist.get_world_size()} node={os.environ['GROUP_RANK']} "
           f"sum={t.item():g}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
     """
 )
 
@@ -153,11 +155,13 @@ HOST_SCRIPT = textwrap.dedent(
 def test_the_same_command_on_each_host_forms_one_job_through_the_rendezvous_endpoint(job):
     j = job("nodes_hosts", HOST_SCRIPT)
     endpoint = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "launch", *TWO_NODES, "--rdzv-endpoint", endpoint, str(j.script)]
     for h in (0, 1):
         Path(j.workdir / f"host{h}").mkdir()
-    # Each "host" its own TMPDIR: its own default Inductor cache dir and scratch, nothing shared but the endpoint.
-    procs = [subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "TMPDIR": str(j.workdir / f"host{h}")},
+    # Each "host" its own TMPDIR (its own default Inductor cache dir and scratch) and log dir: nothing shared
+    # but the endpoint.
+    procs = [subprocess.Popen([sys.executable, "-m", "launch", *TWO_NODES, "--rdzv-endpoint", endpoint, "--log-dir",
+                               str(j.workdir / f"host{h}" / "logs"), str(j.script)],
+                              cwd=REPO, env={**os.environ, "TMPDIR": str(j.workdir / f"host{h}")},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
              for h in (0, 1)]
     try:
