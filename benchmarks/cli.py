@@ -195,6 +195,10 @@ def _missing_dependencies(plot: bool) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["nodes"]:  # 1 node x 2 ranks vs 2 nodes x 1 rank, and a restart (benchmarks/nodes.py)
+        from benchmarks import nodes
+
+        return nodes.main(argv[1:])
     args = build_parser().parse_args(argv)
     # before anything slow: a missing package must not fail the run after minutes of measurements
     if _missing_dependencies(plot=not args.no_plot):

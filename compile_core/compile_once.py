@@ -15,12 +15,18 @@ Algorithm, for a batch of graphs (the pieces of one split graph, or one whole gr
   2. Reuse. Pieces whose key was compiled before in this model (in this batch or an earlier one)
      reuse that callable: `graph_0.piece_3 reused from graph_0.piece_1`.
   3. Claims (Inductor with its disk caches on). The distinct keys are compiled under a claim per
-     key in Inductor's cache directory (inductor/claims.py), which the ranks of a node share. Each
-     rank starts at its own offset in the list and first compiles what nobody else has claimed;
-     then it waits for the claims others hold, bounded by `DDP_COMPILE_CLAIM_TIMEOUT_S` (default
-     300 s), saying for whom it waits, and loads their result from the cache (an AOTAutograd cache
-     hit: no trace, no lowering). If the holder failed or died, or the wait timed out, it compiles
-     the piece itself. Every rank ends with the same compiled pieces.
+     key. In a distributed job the claims are job-wide, in the default process group's store
+     (inductor/store_claims.py): one rank of the whole job compiles a key and ships the compile
+     through the store (inductor/artifacts.py), the others, on any node, install it into their own
+     cache dir. Without a process group, processes sharing the cache dir claim through files there
+     (inductor/claims.py). Each rank starts at its own offset in the list and first compiles what
+     nobody else has claimed; then it waits for the claims others hold, bounded by
+     `DDP_COMPILE_CLAIM_TIMEOUT_S` (default 300 s), saying for whom it waits, and loads their result
+     (an AOTAutograd cache hit: no trace, no lowering). If the holder failed or died (store claims: no
+     liveness for `DDP_COMPILE_LEADER_DEAD_S`, default 60 s), or the wait timed out, it compiles the
+     piece itself. A key this node compiled or installed before is marked in its cache dir
+     (`ddp_compile/local/<key>`) and taken from there without a claim (a restart, a second run).
+     The key includes the inputs' devices with their index: Inductor's own keys do.
   4. Caches. Pieces compile without Dynamo's "fakify first call" (which makes AOTAutograd bypass its
      cache; the splitter propagates metadata itself) and with the backward compiled together with
      the forward (aot/torch_dynamo.py:non_lazy_backward), so the cache entry of every piece, forward
@@ -28,7 +34,8 @@ Algorithm, for a batch of graphs (the pieces of one split graph, or one whole gr
      (same cache directory) takes every piece from the AOTAutograd cache.
   5. Report. Each compile is one `PieceRecord`: reused from which piece, cache outcome
      (`aot cache hit`, `aot cache miss, fx cache 2 miss`, `aot cache bypass (reason)`), seconds,
-     who it waited for and how that went. Rank 0 logs one INFO line per piece as it is done (other
+     who it waited for and how that went, and its `source`: compiled here, from rank N, from the
+     local cache, or reused. Rank 0 logs one INFO line per piece as it is done (other
      ranks at DEBUG, the wait lines at INFO on every rank). On a cache hit AOTAutograd never hands
      us the graphs, so the forward/backward sizes of each pair are kept in a small JSON file next to
      the claims when compiled and read back on a hit.
@@ -42,7 +49,6 @@ prints AOTAutograd's cache decisions; `ls $TORCHINDUCTOR_CACHE_DIR/ddp_compile/c
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -52,13 +58,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
-from aot import GraphPair
 from aot.structure import structural_key
-from aot.torch_dynamo import CacheOutcome
+from compile_core.piece_records import Compiled, Job, PieceRecord, Wait
+from ddp import torch_ddp
 from ddp.agreement import env_seconds
 from inductor.claims import CompileClaims, Holder
+from inductor.store_claims import StoreClaims
 from inductor.torch_inductor import cache_dir
 from launch.heartbeat import beat
 
@@ -66,6 +72,8 @@ log = logging.getLogger(__name__)
 
 CLAIM_TIMEOUT_ENV = "DDP_COMPILE_CLAIM_TIMEOUT_S"
 DEFAULT_CLAIM_TIMEOUT_S = 300.0
+LEADER_DEAD_ENV = "DDP_COMPILE_LEADER_DEAD_S"
+DEFAULT_LEADER_DEAD_S = 60.0
 
 
 def claim_timeout_s() -> float:
@@ -73,60 +81,10 @@ def claim_timeout_s() -> float:
     return env_seconds(CLAIM_TIMEOUT_ENV, DEFAULT_CLAIM_TIMEOUT_S)
 
 
-@dataclasses.dataclass
-class Compiled:
-    """What compiling one graph produced (the fallback chain's answer)."""
-
-    fn: Callable[..., Any]
-    used_aot: bool
-    backend: str
-    """The backend that compiled it (after fallbacks)."""
-    cache: CacheOutcome
-    pair: GraphPair | None = None
-
-
-@dataclasses.dataclass
-class PieceRecord:
-    """How one graph or piece came to be compiled (one per piece, reused ones included)."""
-
-    name: str
-    key: str | None
-    """Structural key (None: never shared)."""
-    cache: str
-    """`reused`, or the cache outcome (`aot cache hit`, `aot cache miss, fx cache 2 miss`, ...)."""
-    seconds: float
-    """Wall time to compile or load it (waiting excluded)."""
-    backend: str = ""
-    reused_from: str | None = None
-    waited_s: float = 0.0
-    """Time spent waiting for another process's claim."""
-    waited_for: str | None = None
-    """Who held the claim (`rank 0 (pid 123)`)."""
-    leader: str | None = None
-    """How the wait ended: done (loaded their compile), failed: <why>, died, or timed out."""
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "key": self.key, "cache": self.cache, "seconds": round(self.seconds, 4),
-               "backend": self.backend, "reused_from": self.reused_from}
-        if self.waited_for is not None or self.leader is not None:
-            out.update(waited_s=round(self.waited_s, 3), waited_for=self.waited_for, leader=self.leader)
-        return out
-
-    def line(self) -> str:
-        if self.reused_from is not None:
-            return f"{self.name} reused from {self.reused_from} ({self.seconds:.2f} s)"
-        verb = "loaded" if self.cache.startswith("aot cache hit") else "compiled"
-        text = f"{self.name} {verb} ({self.cache}) {self.seconds:.2f} s"
-        if self.waited_for is not None:
-            text += f" after waiting {self.waited_s:.1f} s for {self.waited_for} ({self.leader})"
-        return text
-
-
-@dataclasses.dataclass
-class Job:
-    gm: fx.GraphModule
-    inputs: list
-    name: str
+def leader_dead_s() -> float:
+    """How long a compiling rank may go without a liveness bump before another takes over its compile
+    (`DDP_COMPILE_LEADER_DEAD_S`, default 60)."""
+    return env_seconds(LEADER_DEAD_ENV, DEFAULT_LEADER_DEAD_S)
 
 
 def _rank() -> tuple[int, int]:
@@ -136,10 +94,11 @@ def _rank() -> tuple[int, int]:
 
 
 def rank_offset(n: int) -> int:
-    """Where this rank starts in a list of `n` things to compile, so the ranks of a node start apart."""
+    """Where this rank starts in a list of `n` things to compile, so the ranks of the job start apart
+    (claims are job-wide: each rank first compiles its own share)."""
     rank, world = _rank()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or 1
-    return ((rank % local) * n) // local if n else 0
+    world = max(world, 1)
+    return ((rank % world) * n) // world if n else 0
 
 
 def say(message: str, *args: Any) -> None:
@@ -157,7 +116,7 @@ class CompileOnce:
         self.records = records
         self.lock = lock
         self._done: dict[str, tuple[str, Compiled]] = {}  # key -> (first piece's name, its compile)
-        self._claims: CompileClaims | None = None
+        self._claims: CompileClaims | StoreClaims | None = None
 
     def compile_all(
         self, jobs: Sequence[Job], extra: tuple, compile_fn: Callable[[Job], Compiled], *, reuse: bool = True
@@ -189,7 +148,7 @@ class CompileOnce:
             source, compiled = self._done[key]
             results[i] = compiled
             self._record(PieceRecord(name=jobs[i].name, key=key, cache="reused", seconds=0.0,
-                                     backend=compiled.backend, reused_from=source))
+                                     backend=compiled.backend, reused_from=source, source="reused"))
         order = {job.name: i for i, job in enumerate(jobs)}
         with self.lock:  # the report lists this batch's pieces in forward order, whatever the compile order
             self.records[first_record:] = sorted(self.records[first_record:], key=lambda r: order.get(r.name, -1))
@@ -204,8 +163,12 @@ class CompileOnce:
     # -- one compile -------------------------------------------------------------------------------
 
     def _compile(self, job: Job, key: str | None, compile_fn: Callable[[Job], Compiled], *,
-                 wait: Any = None) -> Compiled:
+                 wait: Wait | None = None, local: bool = False) -> Compiled:
+        """Compile one job; `wait`: how waiting for another rank's claim ended; `local`: this node
+        compiled it before (Note [Compile once], step 3)."""
         beat("compile")  # a launcher watching for hangs gives compiles their long grace
+        if wait is not None and wait.meta.get("pair") is not None and key is not None:
+            self._write_pair_sizes(key, wait.meta["pair"])  # shipped with the compile: kept for the cache hit
         start = time.perf_counter()
         compiled = compile_fn(job)
         seconds = time.perf_counter() - start
@@ -214,10 +177,20 @@ class CompileOnce:
             self._done.setdefault(key, (job.name, compiled))
         record = PieceRecord(name=job.name, key=key, cache=compiled.cache.describe(), seconds=seconds,
                              backend=compiled.backend)
+        hit = compiled.cache.aot == "hit"
         if wait is not None:
-            holder, outcome, waited = wait
-            record.waited_for = holder.describe() if holder is not None else "another process"
-            record.leader, record.waited_s = outcome, waited
+            record.waited_for = wait.holder.describe() if wait.holder is not None else "another process"
+            record.leader, record.waited_s, record.received_bytes = wait.outcome, wait.seconds, wait.received_bytes
+            if wait.outcome == "done" and hit:
+                record.source = f"from {wait.holder.who}" if wait.holder is not None else "from another process"
+            elif wait.outcome == "done":
+                log.warning("compile_core: rank %d: %s's compile of %s is not a cache hit here (its cache key "
+                            "differs: a rank-specific value such as the device index); compiled it here",
+                            _rank()[0], record.waited_for, job.name)
+        if record.source == "compiled here" and hit:
+            record.source = "from the local cache"
+        if key is not None and self.use_claims and compiled.backend == "inductor":
+            self._mark_local(key)  # in this node's cache now: a restart takes it from there, no claim
         self._record(record)
         return compiled
 
@@ -228,7 +201,7 @@ class CompileOnce:
 
     def _compile_claimed(
         self, jobs: Sequence[Job], keys: list, todo: list[int], results: list,
-        compile_fn: Callable[[Job], Compiled], claims: CompileClaims,
+        compile_fn: Callable[[Job], Compiled], claims: CompileClaims | StoreClaims,
     ) -> None:
         rank, _ = _rank()
         offset = rank_offset(len(todo))
@@ -237,6 +210,10 @@ class CompileOnce:
         for i in order:
             if keys[i] is None:
                 results[i] = self._compile(jobs[i], None, compile_fn)
+                continue
+            if isinstance(claims, StoreClaims) and self._is_local(keys[i]):
+                # This node compiled it before (a restart, a second run): its own cache answers, no claim.
+                results[i] = self._compile(jobs[i], keys[i], compile_fn, local=True)
                 continue
             claim = claims.try_claim(keys[i])
             if claim is None:
@@ -249,28 +226,31 @@ class CompileOnce:
             def waiting(holder: Holder | None, job: Job = job) -> None:
                 who = holder.describe() if holder is not None else "another process"
                 log.info("compile_core: rank %d waiting for %s compiling %s (up to %.0f s, %s)",
-                         rank, who, job.name, claims.timeout_s, "DDP_COMPILE_CLAIM_TIMEOUT_S")
+                         rank, who, job.name, claims.timeout_s, CLAIM_TIMEOUT_ENV)
 
-            claim, wait = claims.wait_claim(keys[i], on_wait=waiting)
-            info = (wait.holder, wait.outcome, wait.seconds)
+            claim, raw = claims.wait_claim(keys[i], on_wait=waiting)
+            wait = Wait.of(raw)
             if wait.outcome != "done":
                 log.warning("compile_core: rank %d: %s %s %s after %.1f s; compiling it here", rank,
-                            wait.holder.describe() if wait.holder else "the holder", wait.outcome, job.name, wait.seconds)
+                            wait.holder.describe() if wait.holder else "the holder", wait.outcome, job.name,
+                            wait.seconds)
             if claim is None:
-                results[i] = self._compile(job, keys[i], compile_fn, wait=info)
+                results[i] = self._compile(job, keys[i], compile_fn, wait=wait)
             else:
-                results[i] = self._compile_holding(claim, job, keys[i], compile_fn, wait=info)
+                results[i] = self._compile_holding(claim, job, keys[i], compile_fn, wait=wait)
 
     def _compile_holding(self, claim: Any, job: Job, key: str, compile_fn: Callable[[Job], Compiled], *,
-                         wait: Any = None) -> Compiled:
+                         wait: Wait | None = None) -> Compiled:
         try:
-            compiled = self._compile(job, key, compile_fn, wait=wait)
+            with claim.capturing():
+                compiled = self._compile(job, key, compile_fn, wait=wait)
         except BaseException as exc:
             claim.failed(f"{type(exc).__name__}: {exc}")
             raise
         else:
             if compiled.backend == "inductor":
-                claim.done()
+                pair = compiled.pair
+                claim.done({"pair": pair.sizes() if pair is not None and pair.forward is not None else None})
             else:  # fell back: nothing in the cache for the others to load
                 claim.failed(f"fell back to {compiled.backend}")
             return compiled
@@ -286,19 +266,41 @@ class CompileOnce:
             (device, torch.is_autocast_enabled(device), str(torch.get_autocast_dtype(device)))
             for device in ("cpu", "cuda")
         )
-        full = (*extra, torch.is_grad_enabled(), autocast)
+        # Devices with their index: Inductor's cache keys include it, so ranks on other device indices
+        # could not use each other's compile; they share with the ranks on their own index instead.
+        devices = tuple(sorted({str(t.device) for t in job.inputs if isinstance(t, torch.Tensor)}))
+        full = (*extra, torch.is_grad_enabled(), autocast, devices)
         key = structural_key(job.gm, job.inputs, extra=full)
         if not reuse:
             # Claims only: make the key unique to this piece, so nothing is reused in-process.
             key = structural_key(job.gm, job.inputs, extra=(*full, job.name))
         return key
 
-    def _claims_dir(self) -> CompileClaims | None:
+    def _claims_dir(self) -> CompileClaims | StoreClaims | None:
+        """Job-wide claims through the process group's store when there is one (every node), else file
+        claims in the cache dir (the processes sharing it)."""
         if self._claims is None:
-            rank, _ = _rank()
-            directory = os.path.join(cache_dir(), "ddp_compile", "claims")
-            self._claims = CompileClaims(directory, me=f"rank {rank}", timeout_s=claim_timeout_s())
+            rank, world = _rank()
+            if dist.is_available() and dist.is_initialized() and world > 1:
+                self._claims = StoreClaims(torch_ddp.default_store(), rank=rank, directory=cache_dir(),
+                                           timeout_s=claim_timeout_s(), dead_after_s=leader_dead_s())
+            else:
+                directory = os.path.join(cache_dir(), "ddp_compile", "claims")
+                self._claims = CompileClaims(directory, me=f"rank {rank}", timeout_s=claim_timeout_s())
         return self._claims
+
+    def _local_marker(self, key: str) -> str:
+        return os.path.join(cache_dir(), "ddp_compile", "local", key)
+
+    def _is_local(self, key: str) -> bool:
+        return os.path.exists(self._local_marker(key))
+
+    def _mark_local(self, key: str) -> None:
+        path = self._local_marker(key)
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w"):
+                pass
 
     def _pair_sizes(self, key: str | None, compiled: Compiled) -> None:
         """Keep (or restore, on a cache hit) the forward/backward sizes of the compiled pair."""
@@ -316,10 +318,13 @@ class CompileOnce:
                 log.debug("compile_core: no forward/backward sizes kept for %s (%s)", key, err)
             return
         pair.cache = compiled.cache.aot or None
-        if pair.forward is None:
-            return
+        if pair.forward is not None:
+            self._write_pair_sizes(key, pair.sizes())
+
+    def _write_pair_sizes(self, key: str, sizes: dict) -> None:
+        path = os.path.join(cache_dir(), "ddp_compile", "pairs", f"{key}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump(pair.sizes(), f)
+            json.dump(sizes, f)
         os.replace(tmp, path)

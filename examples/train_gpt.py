@@ -3,6 +3,8 @@
     python -m launch examples/train_gpt.py --steps 20                    # 2 gloo ranks on CPU
     python -m launch --nproc-per-node auto examples/train_gpt.py          # one rank per GPU (nccl)
     python -m launch --hang-timeout 300 examples/train_gpt.py             # stop a hung job (exit 3)
+    python -m launch --nnodes 2 --nproc-per-node 1 --max-restarts 2 examples/train_gpt.py \
+        --checkpoint-dir runs/ckpt                                        # 2 nodes, survives a lost rank
     torchx run -s local_cwd launch/components.py:trainer --script examples/train_gpt.py
 
 Why it exists: it is the end-to-end check that the launcher, DDP and the compile core work together,
@@ -11,7 +13,11 @@ and the thing a user copies. `--mode` picks the path:
     compiled forward + loss + backward + compiled optimizer update;
   * compile: `compile_core.compile(ddp_model, backend=...)` with an eager optimizer;
   * eager: plain DDP, no compilation (the baseline, and a way to test the launcher alone).
-Rank 0 prints one line per step, the compile report once, and a summary. While the first step compiles,
+Rank 0 prints one line per step, the compile report once, and a summary. With `--checkpoint-dir`, rank 0
+saves the model, optimizer, LR scheduler, step counter and data position every `--checkpoint-every`
+steps (atomically: examples/checkpoint.py), and a start resumes from the latest complete checkpoint
+there, so `python -m launch --max-restarts K` continues where the job was when a rank died, with the
+same parameters an uninterrupted run would have. While the first step compiles,
 rank 0 shows one `compile_core:` line per graph piece (compiled, loaded from the cache, or reused from an
 identical piece, with seconds) and every rank says when it waits for another rank's compile; `--log-level
 WARNING` hides them. The process-group backend comes from DDP_COMPILE_BACKEND (set by the launcher), else
@@ -26,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 # Run as a script (torchrun puts examples/ first on sys.path) or as -m examples.train_gpt: either way the
 # repo root must be importable for `compile_core` and `examples.gpt`.
@@ -37,8 +44,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+from examples import checkpoint  # noqa: E402
 from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
-from launch import heartbeat  # noqa: E402  (torch-free; a no-op unless launched with --hang-timeout)
+from launch import heartbeat, restarts  # noqa: E402  (torch-free; no-ops unless launched by python -m launch)
 
 BACKEND_ENV = "DDP_COMPILE_BACKEND"
 MODES = ("train_step", "compile", "eager")
@@ -70,9 +78,15 @@ class TrainConfig:
     """AdamW learning rate."""
     log_level: str = "INFO"
     """Level of the library's log lines (compile progress at INFO); WARNING keeps only problems."""
+    checkpoint_dir: str = ""
+    """Where rank 0 keeps checkpoints and every start resumes from the latest one; empty: no checkpoints."""
+    checkpoint_every: int = 5
+    """Steps between checkpoints (with --checkpoint-dir)."""
+    warmup_steps: int = 4
+    """Steps of linear LR warm-up (the LR scheduler whose state a checkpoint carries)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch", "seq_len", "d_model", "layers", "vocab"):
+        for name in ("steps", "batch", "seq_len", "d_model", "layers", "vocab", "checkpoint_every", "warmup_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
         if self.d_model % 4:
@@ -113,7 +127,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimizer):
+def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimizer, scheduler: Any):
     """Returns (step(x, y) -> loss, report() -> str or None) for the chosen mode."""
     def manual_step(forward):
         # eager optimizer around a (compiled or eager) forward: the baseline a user writes by hand
@@ -122,6 +136,7 @@ def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimize
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
             return loss.detach()
         return step
 
@@ -131,7 +146,8 @@ def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimize
     import compile_core
 
     if cfg.mode == "train_step":
-        step = compile_core.train_step(ddp_model, optimizer, lm_loss, backend=cfg.backend, ddp="split")
+        step = compile_core.train_step(ddp_model, optimizer, lm_loss, backend=cfg.backend, ddp="split",
+                                       lr_scheduler=scheduler)
         return step, lambda: str(step.report())
     compiled = compile_core.compile(ddp_model, backend=cfg.backend, ddp="split")
     return manual_step(compiled), lambda: str(compiled.report())
@@ -163,10 +179,23 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
     gcfg = GPTConfig(vocab_size=cfg.vocab, d_model=cfg.d_model, n_layers=cfg.layers, n_heads=4,
                      max_seq_len=cfg.seq_len)
     model = GPT(gcfg).to(device)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    step, report = build_step(cfg, ddp_model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(cfg.warmup_steps))
     say = print if rank == 0 else (lambda *a, **k: None)
+    start, state = checkpoint.resume(cfg.checkpoint_dir or None, say=lambda m: say(f"train_gpt: {m}", flush=True))
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if state["data_step"] != state["step"]:
+            raise ValueError(f"checkpoint of step {state['step']} says the data is at step {state['data_step']}")
+        restarts.record_resumed(start, cfg.checkpoint_dir)  # the launcher's summary names the step
+    start = start or 0
+    if start >= cfg.steps:
+        say(f"train_gpt: the checkpoint is at step {start}, --steps is {cfg.steps}: nothing left to train", flush=True)
+        return
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    step, report = build_step(cfg, ddp_model, optimizer, scheduler)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"train_gpt: {world} ranks ({dist.get_backend()}), mode={cfg.mode}, backend={cfg.backend}, "
         f"{n_params / 1e6:.2f}M params, batch {cfg.batch}x{cfg.seq_len} per rank", flush=True)
@@ -175,7 +204,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
     times: list[float] = []
     t_start = time.perf_counter()
     loss = torch.tensor(float("nan"))
-    for i in range(cfg.steps):
+    for i in range(start, cfg.steps):
         x, y = (t.to(device) for t in synthetic_batch(gcfg, cfg.batch, cfg.seq_len, step=i, rank=rank))
         t0 = time.perf_counter()
         loss = step(x, y)
@@ -187,15 +216,41 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
         times.append(dt)
         say(f"step {i + 1:4d}/{cfg.steps}  loss {loss_value:.4f}  {dt * 1e3:8.1f} ms  "
             f"{tokens_per_step / dt:10.0f} tok/s", flush=True)
-        if i == 0 and (text := report()) is not None:
+        if i == start and (text := report()) is not None:
             say(f"compile report (rank 0):\n{text}", flush=True)
+        if cfg.checkpoint_dir and (i + 1) % cfg.checkpoint_every == 0 and i + 1 < cfg.steps:
+            save_checkpoint(cfg, rank, i + 1, model, optimizer, scheduler)
     total = time.perf_counter() - t_start
     steady = times[1:] or times  # step 1 includes compilation
     median = statistics.median(steady)
     first_note = " (includes compile)" if cfg.mode != "eager" else ""
-    say(f"summary: {cfg.steps} steps in {total:.1f}s; first step {times[0] * 1e3:.0f} ms{first_note}; "
+    if cfg.checkpoint_dir:
+        save_checkpoint(cfg, rank, cfg.steps, model, optimizer, scheduler)  # the final state, for a later run
+    say(f"summary: {len(times)} steps in {total:.1f}s; first step {times[0] * 1e3:.0f} ms{first_note}; "
         f"median step after that {median * 1e3:.1f} ms = {tokens_per_step / median:.0f} tok/s over {world} ranks; "
         f"final loss {loss.item():.4f}", flush=True)
+
+
+class _Warmup:
+    """Linear LR warm-up over `steps` steps, then constant (a picklable LambdaLR factor)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.steps)
+
+
+def save_checkpoint(cfg: TrainConfig, rank: int, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """Rank 0 writes the state after `step` steps; the others wait for it (a checkpoint is a step boundary)."""
+    if rank == 0:
+        state = {"step": step, "data_step": step, "model": model.state_dict(),
+                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        path = checkpoint.save(cfg.checkpoint_dir, step, state)
+        print(f"train_gpt: checkpoint of step {step} written ({path})", flush=True)
+    heartbeat.beat()
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -20,14 +20,16 @@ released without either (the holder died) reads as died.
 
 Notes: the state file is replaced atomically (write, then rename), so a reader never sees half of
 it. Claims live as long as the cache directory; a state from an earlier job only says how that job
-went, and a claim is always taken again before compiling. Across nodes each node has its own
-directory, so each node compiles once. Nothing here knows what a graph, a rank or a bucket is: the
-caller names itself (`me`) and what it compiles.
+went, and a claim is always taken again before compiling. Used where no process group joins the
+processes (several processes of a node without torch.distributed); in a distributed job the claims
+go through the job's store instead and span every node (inductor/store_claims.py). Nothing here
+knows what a graph, a rank or a bucket is: the caller names itself (`me`) and what it compiles.
 
 Debugging: `ls <cache dir>/ddp_compile/claims/`; each `*.state` is one JSON line.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -74,7 +76,11 @@ class Claim:
         self.previous = previous
         """The state the last holder left (None: nobody compiled this key in this directory yet)."""
 
-    def done(self) -> None:
+    def capturing(self) -> contextlib.AbstractContextManager:
+        """Around the compile (the store claims capture it to ship it; here the cache dir is shared)."""
+        return contextlib.nullcontext()
+
+    def done(self, meta: dict | None = None) -> None:
         self._claims._write_state(self.key, "done")
 
     def failed(self, error: str) -> None:

@@ -7,7 +7,10 @@ one forward or backward graph. `tests/single/test_torch_internals.py` has a cana
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import contextlib
+import os
+import re
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -156,3 +159,62 @@ class _Partitioner(_UuidOnlyPartitioner):
 
     def __reduce__(self) -> tuple:
         return (_UuidOnlyPartitioner, (self._uuid,))
+
+
+@contextlib.contextmanager
+def fresh_cache_artifacts() -> Iterator[Callable[[], bytes | None]]:
+    """Record the compile caches' artifacts of what runs inside on their own; yields `save()`, which
+    returns them as `torch.compiler.load_cache_artifacts` bytes (None when nothing was recorded).
+
+    Mirrors `CacheArtifactManager.with_fresh_cache` (`torch/compiler/_cache.py`): the mega-cache
+    normally accumulates everything a process compiled, and `save_cache_artifacts()` hands all of it
+    over. Inside, only this block's artifacts (AOTAutograd entry, FX graph entries, autotune results,
+    on a miss and on a hit alike) are there. On the way out they are recorded again in the outer
+    collection, so a user's own `torch.compiler.save_cache_artifacts()` still sees them.
+    """
+    from torch.compiler._cache import CacheArtifactManager
+
+    captured: list[tuple[str, Any]] = []
+
+    def save() -> bytes | None:
+        for kind, artifacts in CacheArtifactManager._new_cache_artifacts.items():
+            captured.extend((kind, a) for a in artifacts)
+        result = torch.compiler.save_cache_artifacts()
+        return None if result is None else result[0]
+
+    with CacheArtifactManager.with_fresh_cache():
+        yield save
+        for kind, artifacts in CacheArtifactManager._new_cache_artifacts.items():
+            captured.extend((kind, a) for a in artifacts)  # recorded after the last save()
+    for kind, artifact in captured:
+        if artifact not in CacheArtifactManager._seen_artifacts:
+            CacheArtifactManager._new_cache_artifacts[kind].append(artifact)
+            CacheArtifactManager._seen_artifacts.add(artifact)
+
+
+KERNEL_LIBRARY = re.compile(r"^[a-z0-9]{2}/[a-z0-9]{52}(\.main)?\.so$")
+"""A C++ kernel library's path inside the cache dir: `<2 chars>/c<51 chars of its hash>[.main].so`."""
+
+
+def kernel_libraries(directory: str) -> set[str]:
+    """Paths (relative to the Inductor cache dir `directory`) of the compiled C++ kernel libraries in it.
+
+    Mirrors where `CppCodeCache` / `CppPythonBindingsCodeCache` (`torch/_inductor/codecache.py`,
+    via `write()` and `get_path()`) put a kernel: `<cache dir>/<key[1:3]>/<key>.so`, the key a hash of
+    the kernel's source and compile command. The path does not depend on the cache dir, so a library
+    copied under the same relative path into another node's cache dir is found there and not built
+    again. The mega-cache (`save_cache_artifacts`) holds the kernels' source but not the libraries:
+    without them a node that loads another node's compile still runs the C++ compiler per kernel.
+    """
+    found = set()
+    try:
+        subdirs = [e.name for e in os.scandir(directory) if e.is_dir() and len(e.name) == 2]
+    except OSError:
+        return found
+    for sub in subdirs:
+        try:
+            names = os.listdir(os.path.join(directory, sub))
+        except OSError:
+            continue
+        found.update(f"{sub}/{n}" for n in names if KERNEL_LIBRARY.match(f"{sub}/{n}"))
+    return found

@@ -54,6 +54,12 @@ class LaunchConfig:
     """Extra environment for every rank."""
     max_retries: int = 0
     """Scheduler retries."""
+    max_restarts: int = 0
+    """torchrun restarts of the job after a rank fails or dies (the script resumes from its checkpoint)."""
+    rdzv_endpoint: Optional[str] = None
+    """HOST:PORT of the rendezvous when each host starts its own node (`python -m launch` on every host)."""
+    rdzv_id: Optional[str] = None
+    """Rendezvous id every node of a job started host by host shares (default: derived from the endpoint)."""
     rdzv_port: int = 29500
     """Rendezvous port on the rank-0 host (multi-node)."""
     log_dir: Optional[str] = None
@@ -85,6 +91,17 @@ class LaunchConfig:
             raise UsageError(f"--rdzv-port {self.rdzv_port}: expected a TCP port in 1..65535")
         if self.max_retries < 0:
             raise UsageError(f"--max-retries {self.max_retries}: must be >= 0")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts {self.max_restarts}: must be >= 0")
+        if self.rdzv_endpoint is not None:
+            host, sep, port = self.rdzv_endpoint.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint!r}: expected HOST:PORT of the first node, "
+                                 "e.g. node0.example.com:29500")
+        if self.rdzv_id is not None and (self.rdzv_endpoint is None or not self.rdzv_id
+                                         or not all(c.isalnum() or c in "-_." for c in self.rdzv_id)):
+            raise UsageError(f"--rdzv-id {self.rdzv_id!r}: letters, digits, '-', '_' or '.', and only with "
+                             "--rdzv-endpoint")
         self._check_hang()
 
     def _check_hang(self) -> None:
@@ -103,6 +120,15 @@ class LaunchConfig:
     @property
     def j(self) -> str:
         return f"{self.nnodes}x{self.nproc_per_node}"
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self.nnodes.split(":")[-1])
+
+    @property
+    def node_cache_dirs(self) -> bool:
+        """Several nodes on this host: each gets its own Inductor cache dir, as separate hosts would."""
+        return self.scheduler.startswith("local") and self.rdzv_endpoint is None and self.max_nodes > 1
 
 
 def _finite_positive(x: float) -> bool:
@@ -138,7 +164,13 @@ def _build_parser() -> _Parser:
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and scheduler request; run nothing")
     p.add_argument("--log-dir", default=None, help="keep per-rank logs here")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra env for every rank (repeatable)")
-    p.add_argument("--max-retries", type=int, default=0)
+    p.add_argument("--max-retries", type=int, default=0, help="scheduler retries of the whole app")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="torchrun restarts the job up to K times after a rank fails or dies (resume from a checkpoint)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="run only this host's node of an --nnodes N job whose rendezvous is at HOST:PORT "
+                        "(the same command on every host)")
+    p.add_argument("--rdzv-id", default=None, help="rendezvous id shared by the hosts (default from the endpoint)")
     p.add_argument("--rdzv-port", type=int, default=None, help="rendezvous port for multi-node (default: a free port locally, 29500 remote)")
     p.add_argument("--inductor-cache-dir", default=None,
                    help="per-node Inductor cache, forced to mode 0700 (default: $TORCHINDUCTOR_CACHE_DIR locally, "
@@ -223,6 +255,9 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
         scheduler_cfg=ns.scheduler_cfg,
         env=_parse_env(ns.env),
         max_retries=ns.max_retries,
+        max_restarts=ns.max_restarts,
+        rdzv_endpoint=ns.rdzv_endpoint,
+        rdzv_id=ns.rdzv_id,
         rdzv_port=rdzv_port,
         log_dir=ns.log_dir,
         # locally, an Inductor cache the user already chose is kept (still forced private by the prelude)

@@ -21,6 +21,11 @@ they live in the AppDef itself rather than in the local launcher:
   Python stack (rules in launch/watchdog.py). The watchdog runs on the node because heartbeats are shared
   memory maps (microseconds per beat) and stacks are fetched with SIGUSR1: both need the rank's host.
 
+* past one node: ``max_restarts`` (torchrun restarts the job after a rank dies; each attempt gets a fresh
+  rendezvous store, see ``_job_env``), ``node_cache_dirs`` (several nodes on one host, each with its own
+  cache dir, as separate hosts would have) and ``rdzv_endpoint``/``rdzv_id`` (nodes started one by one,
+  ``python -m launch --rdzv-endpoint`` on each host).
+
 Everything else (``-j``, rendezvous, retries, resources, mounts) is delegated to
 ``torchx.components.dist.ddp``. This file is also executed standalone by
 ``torchx run launch/components.py:trainer``: it must stay self-contained (absolute imports only) and
@@ -67,6 +72,10 @@ def trainer(
     hang_timeout: Optional[float] = None,
     hang_first_step_timeout: Optional[float] = None,
     heartbeat_dir: Optional[str] = None,
+    max_restarts: int = 0,
+    node_cache_dirs: bool = False,
+    rdzv_endpoint: Optional[str] = None,
+    rdzv_id: Optional[str] = None,
     mounts: Optional[List[str]] = None,
     debug: bool = False,
 ) -> specs.AppDef:
@@ -96,6 +105,10 @@ def trainer(
         hang_timeout: seconds without heartbeats from every rank before the job is stopped as hung (exit 3), naming the stuck rank and its stack; off by default (needs this package on the nodes)
         hang_first_step_timeout: grace before a rank's second heartbeat and during compiles; default max(10 x hang_timeout, 600)
         heartbeat_dir: directory for the ranks' heartbeat records and stack dumps (on the nodes); default a private temp dir per node
+        max_restarts: torchrun restarts of the whole job after a rank fails or dies (every node re-rendezvouses; the script resumes from its checkpoint)
+        node_cache_dirs: give each node its own Inductor cache dir, <inductor_cache_dir>/node<replica id> (several nodes on one host: as separate hosts would see it)
+        rdzv_endpoint: HOST:PORT of the c10d rendezvous, for nodes started one by one on hosts of your own (then this AppDef is one node of the job); default the scheduler's rank-0 host
+        rdzv_id: rendezvous id shared by every node of the job; default the app id (nodes started one by one must pass the same value)
         mounts: mounts for container schedulers (type=bind,src=/host,dst=/job[,readonly])
         debug: enable torchx's preset distributed debug environment variables
     """
@@ -109,6 +122,7 @@ def trainer(
             f"got script={script!r} and m={m!r}: pass exactly one (--script path/to/train.py or -m pkg.module)"
         )
     torchx_dist.parse_nnodes(j)  # raises a ValueError naming the bad -j before anything else is built
+    _check_rdzv(max_restarts, rdzv_endpoint, rdzv_id)
     hang_timeout, hang_first_step_timeout = _check_hang(hang_timeout, hang_first_step_timeout, heartbeat_dir)
     backend = _resolve_backend(dist_backend, gpu=gpu, h=h)
     names = StructuredNameArgument.parse_from(name=name, m=m, script=script)
@@ -133,7 +147,8 @@ def trainer(
         gpu=gpu,
         memMB=memMB,
         j=j,
-        env=_job_env(env, backend=backend, torch_logs=torch_logs, trace_dir=trace_dir, heartbeat_dir=heartbeat_dir),
+        env=_job_env(env, backend=backend, torch_logs=torch_logs, trace_dir=trace_dir, heartbeat_dir=heartbeat_dir,
+                     restarts=max_restarts > 0),
         max_retries=max_retries,
         rdzv_port=rdzv_port,
         mounts=mounts,
@@ -143,13 +158,42 @@ def trainer(
     role.name = torchx_dist.get_role_name(script, m)  # the user's script, not launch.worker
     # dist.ddp's entrypoint is `bash -c "torchrun ..."`: run the cache prelude first, then exec torchrun
     # so that the scheduler's SIGTERM reaches torchrun (which forwards it to every rank).
-    command = role.args[1]
+    command = _torchrun_options(role.args[1], max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint,
+                                rdzv_id=rdzv_id)
+    if rdzv_endpoint is not None:
+        role.num_replicas = role.min_replicas = 1  # nodes started one by one: this AppDef is one of them
     if hang_timeout is not None:
         # torchrun becomes the watchdog's child; the watchdog forwards the scheduler's signals to it.
         first = "" if hang_first_step_timeout is None else f" --first-step-timeout {hang_first_step_timeout!r}"
         command = f"python3 -m launch.watchdog --hang-timeout {hang_timeout!r}{first} -- {command}"
-    role.args = ["-c", f"{cache_prelude(inductor_cache_dir)} && exec {command}"]
+    role.args = ["-c", f"{cache_prelude(inductor_cache_dir, per_node=node_cache_dirs)} && exec {command}"]
     return app
+
+
+def _check_rdzv(max_restarts: object, rdzv_endpoint: Optional[str], rdzv_id: Optional[str]) -> None:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts!r}: expected an integer >= 0 (e.g. 3)")
+    if rdzv_endpoint is not None:
+        host, sep, port = rdzv_endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"rdzv_endpoint={rdzv_endpoint!r}: expected HOST:PORT, e.g. node0.example.com:29500")
+    if rdzv_id is not None and not all(c.isalnum() or c in "-_." for c in rdzv_id):
+        raise ValueError(f"rdzv_id={rdzv_id!r}: use letters, digits, '-', '_' and '.'")
+
+
+def _torchrun_options(command: str, *, max_restarts: int, rdzv_endpoint: Optional[str],
+                      rdzv_id: Optional[str]) -> str:
+    """dist.ddp's torchrun command with our options: restarts, and an explicit rendezvous."""
+    words = command.split(" ")  # dist.ddp joins plain words with spaces
+    if words[0] != "torchrun":
+        raise AssertionError(f"dist.ddp's command does not start with torchrun: {command[:80]!r}")
+    for flag, value in (("--rdzv_endpoint", rdzv_endpoint), ("--rdzv_id", rdzv_id)):
+        if value is not None:
+            at = words.index(flag)
+            words[at + 1] = shlex.quote(value)
+    if max_restarts:
+        words[1:1] = ["--max-restarts", str(max_restarts)]
+    return " ".join(words)
 
 
 def _seconds(name: str, value: object) -> Optional[float]:
@@ -195,6 +239,7 @@ def _job_env(
     torch_logs: Optional[str],
     trace_dir: Optional[str],
     heartbeat_dir: Optional[str],
+    restarts: bool = False,
 ) -> Dict[str, str]:
     env: Dict[str, str] = {
         BACKEND_ENV: backend,
@@ -203,6 +248,11 @@ def _job_env(
     }
     if backend == "gloo":
         env["OMP_NUM_THREADS"] = "1"  # CPU ranks share the host's cores: one thread each
+    if restarts:
+        # torchrun shares its rendezvous store with the ranks; a restarted rank then reads the keys the
+        # previous attempt's ranks left there (gloo/nccl addresses) and hangs or fails at init (pytorch
+        # issue 135712). Opting out gives every attempt a fresh store, hosted by its rank 0.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if torch_logs:
         env["TORCH_LOGS"] = torch_logs
     if trace_dir:
@@ -219,13 +269,16 @@ def _path_with(bin_dir: str) -> str:
     return os.pathsep.join(dict.fromkeys(e for e in entries if e))
 
 
-def cache_prelude(cache_dir: Optional[str]) -> str:
+def cache_prelude(cache_dir: Optional[str], per_node: bool = False) -> str:
     """Bash snippet run on each node before torchrun: make the Inductor cache private, then export it.
 
     Refuses (exit 2) a dir that is a symlink or owned by another user; a dir we own whose mode lets
     group/others write is emptied (a planted .so must never be loaded) and set back to 0700.
+    `per_node`: the node's own dir below it, `node<replica id>` (torchx fills in the replica id).
     """
     d = DEFAULT_CACHE_DIR if cache_dir is None else shlex.quote(cache_dir.rstrip("/") or "/")
+    if per_node:
+        d = f"{d}/node{specs.macros.replica_id}"
     refuse = (
         'echo "launch: error: Inductor cache dir $d is a symlink or not owned by $(id -un);'
         ' pass another inductor_cache_dir" >&2; exit 2'

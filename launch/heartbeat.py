@@ -66,6 +66,10 @@ class Record:
     """Number of beats so far (0: the rank has not beaten yet)."""
     phase: str
     """Phase named by the last beat: "start" before the first beat, "step" by default, or the caller's."""
+    node: int = 0
+    """The rank's node (torchrun's GROUP_RANK)."""
+    nodes: int = 1
+    """Nodes in the job (torchrun's GROUP_WORLD_SIZE)."""
 
 
 class _Writer:
@@ -135,6 +139,7 @@ def _open() -> Optional[_Writer]:
         "rank": rank,
         "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
         "group_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "group_world_size": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "start": now,
@@ -180,7 +185,8 @@ def read_record(path: str) -> Optional[Record]:
         static = json.loads(data[_STATIC_OFFSET:].rstrip(b"\0"))
         return Record(rank=int(static["rank"]), local_rank=int(static["local_rank"]), host=str(static["host"]),
                       pid=int(static["pid"]), start=float(static["start"]), last=last, beats=beats,
-                      phase=phase.rstrip(b"\0").decode("ascii", "replace"))
+                      phase=phase.rstrip(b"\0").decode("ascii", "replace"), node=int(static.get("group_rank", 0)),
+                      nodes=int(static.get("group_world_size", 1)))
     except (ValueError, KeyError, TypeError):
         return None
 

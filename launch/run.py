@@ -19,6 +19,7 @@ from typing import Optional
 
 from launch.args import LaunchConfig
 from launch.failures import find_exits, find_failures, order_failures, report_failure, report_hang
+from launch.restarts import find_restarts, report_restarts
 from launch.watchdog import HANG_EXIT, read_verdict
 
 # Environment marker carried by every process of one launch; used to find stragglers after a stop.
@@ -68,6 +69,11 @@ def build_app(cfg: LaunchConfig, run_id: str, hb_dir: Optional[str] = None):
         hang_timeout=cfg.hang_timeout,
         hang_first_step_timeout=cfg.hang_first_step_timeout,
         heartbeat_dir=hb_dir,
+        max_restarts=cfg.max_restarts,
+        node_cache_dirs=cfg.node_cache_dirs,
+        rdzv_endpoint=cfg.rdzv_endpoint,
+        rdzv_id=(cfg.rdzv_id or "ddp_compile_" + "".join(c if c.isalnum() else "_" for c in cfg.rdzv_endpoint))
+        if cfg.rdzv_endpoint else None,
     )
 
 
@@ -186,10 +192,17 @@ def _run_and_watch(runner, app, cfg: LaunchConfig, run_cfg: dict, run_id: str, h
             with out_lock:
                 report_hang(verdict, hb_dir if cfg.log_dir else None)
             return HANG_EXIT
-        if status is not None and status.state == AppState.SUCCEEDED:
-            return 0
         log_root = _local_log_root(status)
+        restarts, last_pids = find_restarts(log_root) if log_root and cfg.max_restarts else ([], set())
+        with out_lock:
+            report_restarts(restarts, cfg.max_restarts)
+        if status is not None and status.state == AppState.SUCCEEDED:
+            if restarts:
+                print(f"launch: job SUCCEEDED after {len(restarts)} restart(s)", file=sys.stderr)
+            return 0
         failures = order_failures(find_failures(log_root), find_exits(log_root)) if log_root else []
+        if restarts:  # the job's end is the last attempt's doing; earlier attempts are reported above
+            failures = [f for f in failures if f.get("kind") != "exception" or f.get("pid") in last_pids]
         status_text = f"(state {status.state.name if status else 'UNKNOWN'})"
         with out_lock:
             report_failure(failures, status_text, log_root if cfg.log_dir else None)

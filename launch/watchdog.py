@@ -21,7 +21,7 @@ Note (the rules, also in docs/launch.md):
   but never named.
 * On a hang: every rank that registered a stack dump (``launch.worker`` does it: faulthandler on SIGUSR1
   into ``rank<R>.stack``) gets SIGUSR1; the stuck rank's stack is printed under the summary line
-  ``launch: job HUNG: rank R (host H, pid P) made no progress for X s (last heartbeat: PHASE) -- stopping
+  ``launch: job HUNG: rank R ([node G, ]host H, pid P) made no progress for X s (last heartbeat: PHASE) -- stopping
   the job``; the verdict goes to ``hang.json`` (read by ``python -m launch``); torchrun gets SIGTERM (it
   stops its ranks), SIGKILL for it and the ranks after ``STOP_GRACE`` s; the exit code is ``HANG_EXIT``.
 * The view is the heartbeat directory: the whole job under ``python -m launch`` locally (one directory for
@@ -102,7 +102,8 @@ class Hang:
         if r is None:
             return f"launch: job HUNG: no rank started within {self.idle:.1f} s -- stopping the job"
         last = "none since the rank started" if r.beats == 0 else r.phase
-        return (f"launch: job HUNG: rank {r.rank} (host {r.host}, pid {r.pid}) made no progress for "
+        node = f"node {r.node}, " if r.nodes > 1 else ""
+        return (f"launch: job HUNG: rank {r.rank} ({node}host {r.host}, pid {r.pid}) made no progress for "
                 f"{self.idle:.1f} s (last heartbeat: {last}) -- stopping the job")
 
 

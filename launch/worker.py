@@ -42,7 +42,24 @@ def _rank_info() -> dict:
         "group_rank": int(os.environ.get("GROUP_RANK", "-1")),
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     }
+
+
+def per_pid(name: str, pid: int) -> str:
+    """`launch_rank.json` -> `launch_rank.<pid>.json`: a copy no later attempt overwrites. A node whose
+    agent restarts for another node's failure reuses its attempt directory (launch/restarts.py)."""
+    stem, ext = os.path.splitext(name)
+    return f"{stem}.{pid}{ext}"
+
+
+def _write_record(name: str, info: dict) -> None:
+    """`info` as `name` and as its per-pid copy, beside the torchelastic error file."""
+    directory = os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"])
+    os.makedirs(directory, exist_ok=True)
+    for file_name in (name, per_pid(name, os.getpid())):
+        with open(os.path.join(directory, file_name), "w") as f:
+            json.dump(info, f)
 
 
 def _write_rank_file() -> None:
@@ -51,9 +68,7 @@ def _write_rank_file() -> None:
     if not error_file:
         return
     try:
-        os.makedirs(os.path.dirname(error_file), exist_ok=True)
-        with open(os.path.join(os.path.dirname(error_file), RANK_FILE), "w") as f:
-            json.dump({**_rank_info(), "time": time.time()}, f)
+        _write_record(RANK_FILE, {**_rank_info(), "time": time.time()})
     except OSError:
         pass  # a convenience for the failure report; never stop the rank over it
 
@@ -89,9 +104,7 @@ def _write_failure(exc: BaseException) -> None:
         "traceback": _user_traceback(exc),
     }
     try:
-        os.makedirs(os.path.dirname(error_file), exist_ok=True)
-        with open(os.path.join(os.path.dirname(error_file), FAILURE_FILE), "w") as f:
-            json.dump(info, f)
+        _write_record(FAILURE_FILE, info)
     except OSError:
         pass  # the report is a convenience; never mask the user's exception with our own
 

@@ -33,10 +33,11 @@ class LaunchJob:
         self.script = self.workdir / "rank_script.py"
         self.script.write_text(script_text)
 
-    def run(self, *launch_args: str, env: dict | None = None, timeout: float = 150) -> tuple[subprocess.CompletedProcess, float]:
+    def run(self, *launch_args: str, env: dict | None = None, timeout: float = 150,
+            script_args: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
         """(result, wall time of the launcher's exit); fails the test after `timeout`, killing everything."""
         cmd = [sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(free_port()),
-               "--log-dir", str(self.workdir / "logs"), *launch_args, str(self.script)]
+               "--log-dir", str(self.workdir / "logs"), *launch_args, str(self.script), *script_args]
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:

@@ -475,3 +475,34 @@ def test_the_default_store_and_the_end_of_backward_queue():
         w.register_hook(lambda g: order.append("grad") or None)
         y.backward()
         assert order == ["grad", "end"]
+
+
+def test_fresh_cache_artifacts_hold_one_compile_and_the_outer_collection_keeps_it():
+    with canary("inductor/torch_inductor.py:fresh_cache_artifacts"):
+        import torch._inductor.codecache  # noqa: F401 - registers the "inductor" artifact type
+        from torch.compiler._cache import CacheArtifactManager
+
+        outer_before = {k: list(v) for k, v in CacheArtifactManager._new_cache_artifacts.items()}
+        with torch_inductor.fresh_cache_artifacts() as save:
+            CacheArtifactManager.record_artifact("inductor", "canary-key", b"canary-bytes")
+            blob = save()
+        assert blob is not None
+        loaded = CacheArtifactManager.deserialize(blob)
+        assert [(a.key, a.content) for a in loaded["inductor"]] == [("canary-key", b"canary-bytes")]
+        assert sum(len(v) for v in loaded.values()) == 1  # nothing recorded before the block came along
+        after = CacheArtifactManager._new_cache_artifacts["inductor"]
+        assert any(a.key == "canary-key" for a in after), "the outer collection lost the block's artifact"
+        CacheArtifactManager._new_cache_artifacts.clear()
+        CacheArtifactManager._new_cache_artifacts.update(outer_before)
+
+
+def test_kernel_libraries_are_found_where_inductor_builds_them(tmp_path, monkeypatch):
+    with canary("inductor/torch_inductor.py:kernel_libraries"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        assert torch_inductor.kernel_libraries(str(tmp_path)) == set()
+        unique = 2.0 + (hash(str(tmp_path)) % 10_000) / 1e5
+        torch.compile(lambda x: (x * unique).sin() + 1, backend="inductor")(torch.randn(8))
+        found = torch_inductor.kernel_libraries(str(tmp_path))
+        assert found, f"no kernel library under {tmp_path}: {sorted(p.name for p in tmp_path.rglob('*.so'))}"
+        every_so = {str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*.so")}
+        assert found == every_so
