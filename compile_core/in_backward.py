@@ -9,16 +9,17 @@ while the rest of the backward still computes, and the bucket's gradients need n
 Algorithm:
   * Update 1 runs the normal path (an eager `optimizer.step()`), which creates the optimizer's state
     exactly as torch does, and shows how the model compiles.
-  * Then, per param group and parameter dtype/device, torch's own functional update
-    (`torch.optim.sgd.sgd`, `adam.adam`, `adamw.adamw`, called with the group's options the way
-    `step()` calls it) is captured once, on one small throwaway parameter, as an aten graph whose
-    only in-place ops are the final copies into the parameter and the state
-    (`aot.torch_dynamo.capture_functional`). The math is elementwise, so one graph serves every
-    parameter shape of that group.
+  * Then, per param group and parameter dtype/device, the update math of compile_core/optim_math.py
+    (torch's single-tensor SGD/Adam/AdamW step, with its step-dependent scalars computed on the host
+    per parameter and passed in as one small vector) is captured once, on one small throwaway
+    parameter, as an aten graph whose only in-place ops are the final copies into the parameter and
+    the state (`aot.torch_dynamo.capture_functional`). The math is elementwise, so one graph serves
+    every parameter shape of that group.
   * From update 2 the compiled backward applies that graph per parameter right after its bucket's
-    all-reduce lands (ddp/in_graph/graph_pass.py). The learning rate and Adam's betas are inputs
-    (the tensors `hyperparams.py` pins), so schedulers cause no recompile; the state tensors are the
-    optimizer's own, updated in place, so `optimizer.state_dict()` is what an eager run gives.
+    all-reduce lands (ddp/in_graph/graph_pass.py), with that update's scalar vector (computed before
+    the forward: lr, betas, momentum, weight decay and the step count are values, so schedules never
+    recompile); the state tensors are the optimizer's own, updated in place, so
+    `optimizer.state_dict()` is what an eager run gives.
 
 Notes: only SGD, Adam and AdamW (exactly these classes, any of their options, foreach and fused
 included) are done in the backward; any other optimizer, or a model that does not compile into a
@@ -28,9 +29,9 @@ ignored by DDP, or without optimizer state yet because it had no gradient so far
 gradient and is updated by the normal `optimizer.step()` right after the backward, in the same
 step: torch skips the parameters whose gradient is None, i.e. those already updated. With
 clipping, every gradient must be inside the graph (the global norm is taken there), else the whole
-update stays on the normal path. Float
-hyperparameters other than lr and betas (momentum, weight decay, eps) are constants of the
-captured graph: a schedule that changes one switches back to the normal path, with the reason.
+update stays on the normal path. Only structural options are baked into the captured graph
+(weight decay or momentum on/off, nesterov, maximize, amsgrad): changing one switches back to the
+normal path, with the reason.
 
 Debugging: `TrainStep.report()` has an `optimizer_in_backward` entry (active, reason, from which
 update); `TORCH_LOGS=output_code` shows the update kernels between the backward's kernels.
@@ -42,13 +43,11 @@ from typing import Any, Callable
 import torch
 
 from aot.torch_dynamo import capture_functional
-from compile_core.hyperparams import HyperparamPins
+from compile_core import optim_math
 from ddp.in_graph.graph_pass import UpdateTemplate
 from inductor.torch_inductor import decompositions
 
 _SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-_PINNED = ("lr", "betas", "initial_lr", "params")
-"""Group keys that are graph inputs (lr, betas) or not hyperparameters; every other key is baked."""
 
 
 def support(optimizer: torch.optim.Optimizer) -> str | None:
@@ -61,6 +60,8 @@ def support(optimizer: torch.optim.Optimizer) -> str | None:
             return f"param group {i} has differentiable=True"
         if any(p.is_sparse for p in group["params"]) or group.get("sparse"):
             return f"param group {i} has sparse parameters"
+        if not optim_math.covers(group["params"]):
+            return f"param group {i} has complex (or non-floating-point) parameters"
     return None
 
 
@@ -70,10 +71,8 @@ class OptimizerInBackward:
     Implements `ddp.in_graph.runtime.UpdateProvider`.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, pins: HyperparamPins, *,
-                 clip_max_norm: float | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_max_norm: float | None = None) -> None:
         self.optimizer = optimizer
-        self.pins = pins
         self.clip_max_norm = clip_max_norm
         """With clipping, every bucket is updated after the last all-reduce (global norm first)."""
         self.norm = torch.zeros((), dtype=torch.float32) if clip_max_norm is not None else None
@@ -81,17 +80,31 @@ class OptimizerInBackward:
         self._templates: dict[tuple[int, torch.dtype, torch.device], UpdateTemplate] = {}
         self._group_of: dict[int, int] = {}
         self._baked: list[tuple] = []
+        self._rows: dict[int, torch.Tensor] = {}  # per parameter: this update's scalars (optim_math)
 
     def prepare(self) -> None:
         """Capture one template per (group, dtype, device) that has a parameter with optimizer state
         (update 1 ran and created it; plain SGD keeps none)."""
-        self._baked = [self._baked_values(g) for g in self.optimizer.param_groups]
+        self._baked = [_flags(self.optimizer, g) for g in self.optimizer.param_groups]
         for index, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 self._group_of[id(p)] = index
                 key = (index, p.dtype, p.device)
                 if key not in self._templates and self._ready(p, group):
-                    self._templates[key] = self._capture(index, group, p)
+                    self._templates[key] = self._capture(group, p)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """This update's scalars for every parameter that has an update (before its forward)."""
+        for index, group in enumerate(self.optimizer.param_groups):
+            ready = [p for p in group["params"] if (index, p.dtype, p.device) in self._templates and self._ready(p, group)]
+            if not ready:
+                continue
+            steps = [float(self.optimizer.state[p]["step"]) + 1 if optim_math.is_adam(self.optimizer) else 0.0
+                     for p in ready]
+            rows = optim_math.scalars(self.optimizer, group, steps).to(ready[0].device)
+            for p, row in zip(ready, rows):
+                self._rows[id(p)] = row
 
     def _ready(self, param: torch.nn.Parameter, group: dict) -> bool:
         """Whether `param` has the optimizer state its update reads (a parameter that never had a
@@ -101,9 +114,10 @@ class OptimizerInBackward:
         return param in self.optimizer.state and bool(self.optimizer.state[param])
 
     def changed_hyperparameters(self) -> str | None:
-        """A baked hyperparameter a scheduler changed since `prepare` (then the templates are stale)."""
+        """A structural option changed since `prepare` (weight decay or momentum turned on or off,
+        nesterov, maximize, amsgrad): the templates no longer fit. Values never matter: they are inputs."""
         for index, (group, baked) in enumerate(zip(self.optimizer.param_groups, self._baked)):
-            now = self._baked_values(group)
+            now = _flags(self.optimizer, group)
             if now != baked:
                 changed = [k for (k, a), (_, b) in zip(baked, now) if a != b]
                 return f"param group {index} changed {changed} after the update graphs were captured"
@@ -124,34 +138,32 @@ class OptimizerInBackward:
         return [state[k] for k in template.state_keys]
 
     def hypers(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[tuple[Any, torch.Tensor]]:
-        """((group, key), tensor) for each hyperparameter input: shared by the group's parameters."""
-        index = self._group_of[id(param)]
-        return [((index, k), self.pins.tensor(index, k)) for k in template.hyper_keys]
+        """(key, tensor) for the parameter's scalar row of this update (compile_core/optim_math.py)."""
+        return [((id(param), "scalars"), self._rows[id(param)])]
 
     # -- capture -----------------------------------------------------------------------------------
 
-    def _capture(self, index: int, group: dict, param: torch.nn.Parameter) -> UpdateTemplate:
+    def _capture(self, group: dict, param: torch.nn.Parameter) -> UpdateTemplate:
         state = self.optimizer.state.get(param, {})
         state_keys = tuple(k for k in _state_keys(self.optimizer, group) if k in state)
-        hyper_keys = tuple(k for k in ("lr", "beta1", "beta2") if self.pins.has(index, k))
         # A small stand-in with the same dtype/device: the update is elementwise.
         tiny = lambda t: t.detach().reshape(-1)[:4].clone() if t.dim() else t.detach().clone()  # noqa: E731
-        args = [tiny(param), tiny(param)] + [tiny(state[k]) for k in state_keys]
-        args += [self.pins.tensor(index, k).detach().clone() for k in hyper_keys]
-        fn = _functional_update(type(self.optimizer), group, state_keys, hyper_keys)
+        row = optim_math.scalars(self.optimizer, group, [1.0]).to(param.device)[0]
+        args = [tiny(param), tiny(param)] + [tiny(state[k]) for k in state_keys] + [row]
+        fn = _update_function(self.optimizer, group, state_keys)
         # In Inductor's terms (what a graph spliced after partitioning must be), fine for aot_eager too.
         graph, positions = capture_functional(fn, args, decompositions=decompositions())
-        return UpdateTemplate(graph=graph, positions=tuple(positions), state_keys=state_keys, hyper_keys=hyper_keys)
-
-    @staticmethod
-    def _baked_values(group: dict) -> tuple:
-        return tuple(sorted((k, v) for k, v in group.items() if k not in _PINNED and not isinstance(v, torch.Tensor)))
+        return UpdateTemplate(graph=graph, positions=tuple(positions), state_keys=state_keys, hyper_keys=("scalars",))
 
 
-def _hyper(group: dict, key: str) -> Any:
-    if key == "lr":
-        return group["lr"]
-    return group["betas"][0 if key == "beta1" else 1]
+def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:
+    """The options that decide the update's graph (every number is an input instead)."""
+    keys = {"weight_decay": group.get("weight_decay", 0) != 0, "maximize": bool(group.get("maximize"))}
+    if isinstance(optimizer, torch.optim.SGD):
+        keys.update(momentum=group["momentum"] != 0, nesterov=bool(group["nesterov"]))
+    else:
+        keys.update(amsgrad=bool(group.get("amsgrad")), decoupled=optim_math.decoupled(optimizer, group))
+    return tuple(sorted(keys.items()))
 
 
 def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
@@ -160,49 +172,22 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...
     return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq", "step")
 
 
-def _functional_update(
-    cls: type, group: dict, state_keys: tuple[str, ...], hyper_keys: tuple[str, ...]
-) -> Callable[..., None]:
-    """`update(param, grad, *states, *hypers)`: torch's functional call, as the class's `step()` makes it.
-
-    A fused group is captured through the single-tensor implementation: torch's fused kernels are
-    opaque to Dynamo (`torch.compiler.disable`), the math is the same elementwise update, and the
-    compiled backward fuses it anyway. (Results agree to rounding, not to the bit.)
-    """
-    options = {k: v for k, v in group.items() if k != "params"}
-    if options.get("fused"):
-        options.update(fused=False, foreach=False)
-    if options.get("foreach") and hyper_keys:
-        options["capturable"] = True  # torch refuses a tensor lr with foreach otherwise (see hyperparams.py)
-
-    def hyper(values: dict, key: str) -> Any:
-        return values[key] if key in values else _hyper(options, key)
-
-    if cls is torch.optim.SGD:
-        from torch.optim.sgd import sgd
-
+def _update_function(optimizer: torch.optim.Optimizer, group: dict, state_keys: tuple[str, ...]) -> Callable[..., None]:
+    """`update(param, grad, *states, scalars)`: one parameter's update (compile_core/optim_math.py)."""
+    flags = dict(_flags(optimizer, group))
+    if isinstance(optimizer, torch.optim.SGD):
         def update_sgd(param: torch.Tensor, grad: torch.Tensor, *rest: torch.Tensor) -> None:
-            states, hypers = rest[: len(state_keys)], dict(zip(hyper_keys, rest[len(state_keys):]))
-            buffers = list(states) if options["momentum"] != 0 else [None]
-            sgd([param], [grad], buffers, weight_decay=options["weight_decay"], momentum=options["momentum"],
-                lr=hyper(hypers, "lr"), dampening=options["dampening"], nesterov=options["nesterov"],
-                maximize=options["maximize"], foreach=options["foreach"], fused=options["fused"])
+            buf = rest[0] if flags["momentum"] else None
+            optim_math.sgd_math(param, grad, buf, rest[-1], weight_decay=flags["weight_decay"],
+                                nesterov=flags["nesterov"], maximize=flags["maximize"])
 
         return update_sgd
 
-    from torch.optim.adam import adam
-
     def update_adam(param: torch.Tensor, grad: torch.Tensor, *rest: torch.Tensor) -> None:
-        states = dict(zip(state_keys, rest[: len(state_keys)]))
-        hypers = dict(zip(hyper_keys, rest[len(state_keys):]))
-        adam([param], [grad], [states["exp_avg"]], [states["exp_avg_sq"]],
-             [states["max_exp_avg_sq"]] if options["amsgrad"] else [], [states["step"]],
-             foreach=options["foreach"], capturable=options["capturable"], differentiable=False,
-             fused=options["fused"], has_complex=torch.is_complex(param),
-             decoupled_weight_decay=cls is torch.optim.AdamW or options.get("decoupled_weight_decay", False),
-             amsgrad=options["amsgrad"], beta1=hyper(hypers, "beta1"), beta2=hyper(hypers, "beta2"),
-             lr=hyper(hypers, "lr"), weight_decay=options["weight_decay"], eps=options["eps"],
-             maximize=options["maximize"])
+        states = dict(zip(state_keys, rest[:-1]))
+        optim_math.adam_math(param, grad, states["exp_avg"], states["exp_avg_sq"], states.get("max_exp_avg_sq"),
+                             states["step"], rest[-1], decoupled=flags["decoupled"],
+                             weight_decay=flags["weight_decay"], maximize=flags["maximize"])
 
     return update_adam
 
@@ -210,10 +195,10 @@ def _functional_update(
 class InBackwardController:
     """When `train_step` updates inside the backward, and why not when it does not (see the Note)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, pins: HyperparamPins, *,
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, *,
                  clip_max_norm: float | None, blocker: str | None = None) -> None:
         self.reducer = reducer
-        self.updates = OptimizerInBackward(optimizer, pins, clip_max_norm=clip_max_norm)
+        self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm)
         self.reason: str | None = blocker or support(optimizer)
         """Why updates are not (or no longer) inside the backward; None while they are or may be."""
         self.from_update: int | None = None
@@ -226,11 +211,14 @@ class InBackwardController:
         return self.reducer.updates is not None
 
     def before_sync_step(self) -> None:
-        """Before the forward of a micro-batch that will update: stale templates switch us off."""
+        """Before the forward of a micro-batch that will update: stale templates switch us off; the
+        scalars of this update (step counts, schedules) are computed."""
         if self.active:
             changed = self.updates.changed_hyperparameters()
             if changed is not None:
                 self._stop(changed)
+            else:
+                self.updates.refresh()
 
     def after_update(self, index: int, *, before_prepare: Callable[[], None] = lambda: None) -> None:
         """After update `index` ran the normal path: switch to in-backward updates when it can."""

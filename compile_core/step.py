@@ -114,7 +114,7 @@ class TrainStep:
         self._in_backward: InBackwardController | None = None
         if config.optimizer_in_backward:
             self._in_backward = InBackwardController(
-                optimizer, self.compiled_model.in_graph, self._pins, clip_max_norm=config.clip_grad_norm,
+                optimizer, self.compiled_model.in_graph, clip_max_norm=config.clip_grad_norm,
                 blocker=None if grad_scaler is None else "a GradScaler must see every gradient before any update",
             )
             if self._in_backward.reason is not None:
@@ -127,9 +127,7 @@ class TrainStep:
         beat()  # progress, for a launcher watching for hangs (launch/heartbeat.py)
         sync = self.pending_micro_batches == self.config.accum_steps - 1
         if sync and self._in_backward is not None:
-            self._in_backward.before_sync_step()
-            if self._in_backward.active:
-                self._pins.sync()  # the backward reads the scheduler's current lr/betas
+            self._in_backward.before_sync_step()  # this update's scalars (the scheduler's lr, betas)
         loss = self._forward_backward(inputs, target, sync=sync)
         self._micro_batches += 1
         self.applied = sync
@@ -169,7 +167,7 @@ class TrainStep:
             # Update 1 runs eagerly with the user's own hyperparameters: it creates the optimizer
             # state the backward will update. The pinned tensors come before the update graphs.
             norm = self._eager_update()
-            controller.after_update(index, before_prepare=self._pins.install)
+            controller.after_update(index)
         else:
             norm = self._normal_update(index)
         self.last_grad_norm = None if norm is None else norm.detach().clone()
@@ -225,22 +223,16 @@ class TrainStep:
         return norm
 
     def _build_update(self) -> CompiledUpdate | ChunkedUpdate:
-        self._pins.install()  # idempotent
         blocker = chunking_blocker(self.optimizer)
         if self.config.compile_kwargs.get("reuse_pieces", True) is False:
             blocker = "reuse_pieces=False"
         if blocker is None:
             names = {id(p): n for n, p in self.model.named_parameters()}
-            pins, optimizer = self._pins, self.optimizer
-
-            def eager_step() -> None:
-                with pins.user_values():
-                    optimizer.step()
-
             return ChunkedUpdate(self.optimizer, names, self.config.backend, self._opt_events,
-                                 clip_max_norm=self.config.clip_grad_norm, eager_step=eager_step,
+                                 clip_max_norm=self.config.clip_grad_norm,
                                  claims=self.config.backend == "inductor" and disk_caches_enabled())
         self._update_blocker = blocker
+        self._pins.install()  # optimizer.step() compiled whole reads lr/betas from the groups
         return CompiledUpdate(self._update_fn(), self.config.backend, self._opt_events)
 
     def _check_captured(self) -> None:

@@ -17,14 +17,17 @@ generate, every run (Dynamo's tracing is never cached), and it dominated a compi
 Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW, as `compile_core/in_backward.py`):
   * the parameters of each param group are cut into chunks: one per repeated block (from the
     parameter names, ddp/bucketing/repeats.py) and one for the rest;
-  * one function calls torch's own functional update (`torch.optim.sgd.sgd`, `adam.adam`) on a chunk,
-    with the group's options as arguments (floats such as lr, momentum or weight decay are graph
-    inputs to Dynamo, so schedulers do not recompile; the pinned lr/betas tensors stay tensors);
+  * one function applies the update math of compile_core/optim_math.py to each parameter of a chunk,
+    fed with a vector of scalars per parameter computed on the host as eager torch computes them
+    (a graph input: schedulers change values, never the graph);
   * it is compiled once per group and chunk signature (shapes, strides, dtypes of the parameters and
     their state), and every chunk of that signature reuses it: 12 identical blocks, one compile;
   * update 1 runs `optimizer.step()` eagerly (it creates the optimizer state exactly as torch does),
     then each distinct chunk is compiled by running it once on copies of one chunk's tensors, so the
     compile still happens in the first step; from update 2 each chunk runs compiled, under no_grad.
+    When the state already exists at update 1 (a run resumed from a checkpoint, or plain SGD, which
+    keeps none), update 1 runs compiled too: a resumed run applies the same compiled math at every
+    update as the run it continues.
   * clipping (`clip_grad_norm_` over all gradients) is its own compiled function, called first;
   * a parameter without a gradient has no optimizer state (unused so far, `find_unused_parameters`):
     the update in which one first has a gradient runs `optimizer.step()` eagerly, which creates its
@@ -42,10 +45,8 @@ import time
 from typing import Any, Callable
 
 import torch
-from torch.optim.adam import adam
-from torch.optim.sgd import sgd
-
 from aot.torch_dynamo import DynamoError, lookup_backend, optimizer_step_hooks, watch_caches
+from compile_core import optim_math
 from compile_core.compile_once import CompileOnce, Compiled, Job, rank_offset, say
 from compile_core.events import CompileEvents
 from compile_core.in_backward import support
@@ -172,7 +173,18 @@ class ChunkedUpdate:
 
     def __call__(self, update_index: int) -> torch.Tensor | None:
         self.events.label = {"update": update_index}
-        if self._calls == 0:
+        if self._calls == 0 and self._resumed():
+            # A resumed run (the optimizer state was loaded): no eager update to create it, so the
+            # updates after a restart are the same compiled math as those of an uninterrupted run.
+            try:
+                with self.events.call(), self.events.count_breaks():
+                    self._prepare()
+            except DynamoError as err:
+                self.failure = err
+                norm = self._eager(update_index)
+            else:
+                norm = self._compiled_update()
+        elif self._calls == 0:
             norm = self._eager(update_index)  # creates the optimizer state, as torch does
             try:
                 with self.events.call(), self.events.count_breaks():
@@ -184,13 +196,24 @@ class ChunkedUpdate:
             norm = self._eager(update_index)
             self._stateless = self._without_state()
         else:
-            with self.events.call():
-                norm = self._clip() if self._clip is not None else None
-                with torch.no_grad():
-                    for chunk in self._chunks:
-                        self._run(chunk, self._compiled_fn(chunk))
+            norm = self._compiled_update()
         self._calls += 1
         return norm
+
+    def _compiled_update(self) -> torch.Tensor | None:
+        with self.events.call():
+            norm = self._clip() if self._clip is not None else None
+            with torch.no_grad():
+                for chunk in self._chunks:
+                    self._run(chunk, self._compiled_fn(chunk))
+        return norm
+
+    def _resumed(self) -> bool:
+        """Every parameter that has a gradient now already has the optimizer state its update reads (a
+        loaded checkpoint; or an optimizer that keeps none, like plain SGD)."""
+        groups = self.optimizer.param_groups
+        with_grad = [(p, groups[c.group]) for c in self._chunks for p in c.params if p.grad is not None]
+        return bool(with_grad) and all(self._has_state(p, g) for p, g in with_grad)
 
     def uncaptured(self, params: list[torch.Tensor]) -> list[int]:
         """Indices of `params` that no compiled graph updates (all of them if nothing compiled)."""
@@ -349,36 +372,32 @@ def _plan_chunks(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
 
 
 def _arguments(optimizer: torch.optim.Optimizer, group_index: int, params: Any, states: Any) -> tuple:
-    """(params, grads, state lists..., options) for the group's functional update."""
+    """(params, grads, state lists..., scalars, flags) for the group's update (compile_core/optim_math.py)."""
     group = optimizer.param_groups[group_index]
     params = list(params)
     grads = [p.grad for p in params]
-    options = {k: v for k, v in group.items() if k != "params"}
     if isinstance(optimizer, torch.optim.SGD):
-        buffers = [s.get("momentum_buffer") for s in states]
-        return params, grads, buffers, options
-    amsgrad = bool(options.get("amsgrad"))
-    lists = [[s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-             [s["max_exp_avg_sq"] for s in states] if amsgrad else [], [s["step"] for s in states]]
-    options["has_complex"] = any(torch.is_complex(p) for p in params)
-    options["decoupled"] = isinstance(optimizer, torch.optim.AdamW) or bool(options.get("decoupled_weight_decay"))
-    return (params, grads, *lists, options)
+        buffers = [s.get("momentum_buffer") if group["momentum"] != 0 else None for s in states]
+        flags = {"weight_decay": group["weight_decay"] != 0, "nesterov": group["nesterov"], "maximize": group["maximize"]}
+        return params, grads, buffers, optim_math.scalars(optimizer, group, [0.0] * len(params)), flags
+    amsgrad = bool(group.get("amsgrad"))
+    steps = [float(s["step"]) + 1 for s in states]  # the step this update reaches (eager reads it after += 1)
+    flags = {"decoupled": optim_math.decoupled(optimizer, group), "weight_decay": group["weight_decay"] != 0,
+             "maximize": group["maximize"]}
+    return (params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if amsgrad else [None] * len(params), [s["step"] for s in states],
+            optim_math.scalars(optimizer, group, steps), flags)
 
 
-def _sgd_chunk(params: list, grads: list, buffers: list, options: dict) -> None:
-    sgd(params, grads, buffers, weight_decay=options["weight_decay"], momentum=options["momentum"],
-        lr=options["lr"], dampening=options["dampening"], nesterov=options["nesterov"],
-        maximize=options["maximize"], foreach=options["foreach"], fused=options["fused"])
+def _sgd_chunk(params: list, grads: list, buffers: list, scalars: torch.Tensor, flags: dict) -> None:
+    for i, p in enumerate(params):
+        optim_math.sgd_math(p, grads[i], buffers[i], scalars[i], **flags)
 
 
 def _adam_chunk(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, max_exp_avg_sqs: list,
-                steps: list, options: dict) -> None:
-    beta1, beta2 = options["betas"]
-    adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=options["foreach"],
-         capturable=options["capturable"], differentiable=False, fused=options["fused"],
-         has_complex=options["has_complex"], decoupled_weight_decay=options["decoupled"],
-         amsgrad=options["amsgrad"], beta1=beta1, beta2=beta2, lr=options["lr"],
-         weight_decay=options["weight_decay"], eps=options["eps"], maximize=options["maximize"])
+                steps: list, scalars: torch.Tensor, flags: dict) -> None:
+    for i, p in enumerate(params):
+        optim_math.adam_math(p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], scalars[i], **flags)
 
 
 _UPDATES = {torch.optim.SGD: _sgd_chunk, torch.optim.Adam: _adam_chunk, torch.optim.AdamW: _adam_chunk}

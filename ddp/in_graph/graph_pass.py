@@ -111,6 +111,10 @@ class UpdateSpec:
     """Clip the global norm of all reduced gradients first (all buckets wait, then all update)."""
     norm_input: int | None = None
     """Graph input index of a 0-dim tensor that receives the total norm (with clipping)."""
+    lookahead: int | None = 1
+    """Buckets issued after bucket k before the backward waits for k and updates it: 1 pipelines
+    (gradients die early; the compute thread may wait on the wire); None waits for every bucket
+    only after the backward's last gradient (the wire never waits on an update)."""
 
 
 @dataclasses.dataclass
@@ -267,7 +271,8 @@ def _insert_updates(
     for k, bucket in enumerate(by_issue):
         # Pipelined: bucket k's update overlaps the next bucket's all-reduce, and comes after every
         # read of bucket k's parameters by the rest of the backward, and after bucket k-1's block.
-        anchor = by_issue[k + 1].reduced if k + 1 < len(by_issue) else end
+        ahead = k + updates.lookahead if updates.lookahead is not None else len(by_issue)
+        anchor = by_issue[ahead].reduced if ahead < len(by_issue) else end
         anchor = max(anchor, last_reader(bucket), key=order.__getitem__)
         position = order[anchor]
         if previous is not None and position <= previous[0]:
@@ -282,7 +287,8 @@ def _insert_updates(
     # order issue(k+1) -> wait(k) -> update(k) -> wait(k+1).
     deps: dict[fx.Node, list[fx.Node]] = {}
     for k, bucket in enumerate(by_issue):
-        after = [by_issue[k + 1].reduced] if k + 1 < len(by_issue) else []
+        ahead = k + updates.lookahead if updates.lookahead is not None else len(by_issue)
+        after = [by_issue[ahead].reduced] if ahead < len(by_issue) else [end]
         if k > 0 and by_issue[k - 1].last_update is not None:
             after.append(by_issue[k - 1].last_update)
         if bucket.wait is not None and after:
