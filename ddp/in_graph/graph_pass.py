@@ -87,7 +87,7 @@ def add_accumulated(joint: fx.GraphModule, accumulated_input_of: Mapping[int, in
 
 @dataclasses.dataclass(frozen=True)
 class UpdateTemplate:
-    """One parameter's optimizer update as a functional aten graph (built by compile_core.in_backward)."""
+    """One parameter's optimizer update as a functional aten graph (built by compile_core.step.in_backward)."""
 
     graph: fx.GraphModule
     """Inputs in Dynamo's order; its only in-place ops are `copy_` into the parameter and state."""

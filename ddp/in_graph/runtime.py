@@ -71,7 +71,7 @@ accumulated by earlier micro-batches; _update: plus the optimizer update per buc
 
 
 class UpdateProvider(Protocol):
-    """What the backward needs from the optimizer to update parameters in place (compile_core.in_backward)."""
+    """What the backward needs from the optimizer to update parameters in place (compile_core.step.in_backward)."""
 
     clip_max_norm: float | None
     norm: torch.Tensor | None

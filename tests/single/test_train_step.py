@@ -519,7 +519,7 @@ def test_untraceable_optimizer_runs_eagerly_and_says_so():
 
 
 def test_backend_failure_on_the_update_falls_back_with_the_error(monkeypatch):
-    update_module = importlib.import_module("compile_core.update")
+    update_module = importlib.import_module("compile_core.step.update")
 
     def refusing_backend(gm, example_inputs):
         raise RuntimeError("this backend refuses optimizer graphs")

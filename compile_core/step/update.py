@@ -14,10 +14,10 @@ Background: torch's CPU optimizers loop over the parameters in Python, so Dynamo
 the update per parameter: for a 12-block transformer that is ~200 copies to trace, lower and
 generate, every run (Dynamo's tracing is never cached), and it dominated a compiled train step's first step.
 
-Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW, as `compile_core/in_backward.py`):
+Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW, as `compile_core/step/in_backward.py`):
   * the parameters of each param group are cut into chunks: one per repeated block (from the
     parameter names, ddp/bucketing/repeats.py) and one for the rest;
-  * one function applies the update math of compile_core/optim_math.py to each parameter of a chunk,
+  * one function applies the update math of compile_core/step/optim_math.py to each parameter of a chunk,
     fed with a vector of scalars per parameter computed on the host as eager torch computes them
     (a graph input: schedulers change values, never the graph);
   * it is compiled once per group and chunk signature (shapes, strides, dtypes of the parameters and
@@ -46,10 +46,10 @@ from typing import Any, Callable
 
 import torch
 from aot.torch_dynamo import DynamoError, lookup_backend, optimizer_step_hooks, watch_caches
-from compile_core import optim_math
+from compile_core.step import optim_math
 from compile_core.compile_once import CompileOnce, Compiled, Job, rank_offset, say
 from compile_core.events import CompileEvents
-from compile_core.in_backward import support
+from compile_core.step.in_backward import support
 from ddp.bucketing import ParamInfo
 from ddp.bucketing.repeats import repeated_units
 
@@ -372,7 +372,7 @@ def _plan_chunks(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
 
 
 def _arguments(optimizer: torch.optim.Optimizer, group_index: int, params: Any, states: Any) -> tuple:
-    """(params, grads, state lists..., scalars, flags) for the group's update (compile_core/optim_math.py)."""
+    """(params, grads, state lists..., scalars, flags) for the group's update (compile_core/step/optim_math.py)."""
     group = optimizer.param_groups[group_index]
     params = list(params)
     grads = [p.grad for p in params]

@@ -9,7 +9,7 @@ while the rest of the backward still computes, and the bucket's gradients need n
 Algorithm:
   * Update 1 runs the normal path (an eager `optimizer.step()`), which creates the optimizer's state
     exactly as torch does, and shows how the model compiles.
-  * Then, per param group and parameter dtype/device, the update math of compile_core/optim_math.py
+  * Then, per param group and parameter dtype/device, the update math of compile_core/step/optim_math.py
     (torch's single-tensor SGD/Adam/AdamW step, with its step-dependent scalars computed on the host
     per parameter and passed in as one small vector) is captured once, on one small throwaway
     parameter, as an aten graph whose only in-place ops are the final copies into the parameter and
@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from aot.torch_dynamo import capture_functional
-from compile_core import optim_math
+from compile_core.step import optim_math
 from ddp.in_graph.graph_pass import UpdateTemplate
 from inductor.torch_inductor import decompositions
 
@@ -138,7 +138,7 @@ class OptimizerInBackward:
         return [state[k] for k in template.state_keys]
 
     def hypers(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[tuple[Any, torch.Tensor]]:
-        """(key, tensor) for the parameter's scalar row of this update (compile_core/optim_math.py)."""
+        """(key, tensor) for the parameter's scalar row of this update (compile_core/step/optim_math.py)."""
         return [((id(param), "scalars"), self._rows[id(param)])]
 
     # -- capture -----------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...
 
 
 def _update_function(optimizer: torch.optim.Optimizer, group: dict, state_keys: tuple[str, ...]) -> Callable[..., None]:
-    """`update(param, grad, *states, scalars)`: one parameter's update (compile_core/optim_math.py)."""
+    """`update(param, grad, *states, scalars)`: one parameter's update (compile_core/step/optim_math.py)."""
     flags = dict(_flags(optimizer, group))
     if isinstance(optimizer, torch.optim.SGD):
         def update_sgd(param: torch.Tensor, grad: torch.Tensor, *rest: torch.Tensor) -> None:

@@ -58,11 +58,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import DynamoError
 from compile_core.events import CompileEvents
-from compile_core.hyperparams import HyperparamPins
-from compile_core.in_backward import InBackwardController
-from compile_core.step_config import TrainStepConfig
-from compile_core.step_report import OptimizerReport, TrainStepReport
-from compile_core.update import ChunkedUpdate, CompiledUpdate, chunking_blocker, clip_and_step
+from compile_core.step.hyperparams import HyperparamPins
+from compile_core.step.in_backward import InBackwardController
+from compile_core.step.config import TrainStepConfig
+from compile_core.step.report import OptimizerReport, TrainStepReport
+from compile_core.step.update import ChunkedUpdate, CompiledUpdate, chunking_blocker, clip_and_step
 from inductor.torch_inductor import disk_caches_enabled
 from launch.heartbeat import beat
 
@@ -316,7 +316,7 @@ def train_step(
     `grad_scaler` (a `torch.amp.GradScaler`, required with `autocast=torch.float16`): the loss is
     scaled before the backward and `grad_scaler.step(optimizer)` / `update()` run eagerly.
     `optimizer_in_backward=True` (with `ddp="in_graph"`): from update 2 each bucket's parameters are
-    updated inside the compiled backward as soon as its all-reduce lands (compile_core/in_backward.py).
+    updated inside the compiled backward as soon as its all-reduce lands (compile_core/step/in_backward.py).
     Raises TypeError/ValueError for bad arguments before any compile work.
     """
     config = TrainStepConfig(

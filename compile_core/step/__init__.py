@@ -1,0 +1,14 @@
+"""`compile_core.train_step`: one compiled training step per micro-batch (see `train.py`'s Note).
+
+* `train.py` -- `train_step`, `TrainStep`: forward + loss, backward, accumulation, the update;
+* `config.py`, `report.py` -- its configuration and report;
+* `update.py` -- the compiled optimizer update after the backward (per repeated block, or whole);
+* `optim_math.py` -- SGD/Adam/AdamW math per parameter, with host-computed scalars;
+* `in_backward.py` -- the update inside the compiled backward (`optimizer_in_backward=True`);
+* `hyperparams.py` -- lr/betas as tensors while a whole `optimizer.step()` runs compiled.
+"""
+from compile_core.step.config import TrainStepConfig
+from compile_core.step.report import OptimizerReport, TrainStepReport
+from compile_core.step.train import TrainStep, train_step
+
+__all__ = ["OptimizerReport", "TrainStep", "TrainStepConfig", "TrainStepReport", "train_step"]
