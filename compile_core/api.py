@@ -14,20 +14,17 @@ import logging
 from typing import Any, Callable
 
 import torch
-import torch.fx as fx
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import DynamoError, pytorch_ddp_optimizer, root_cause
+from aot.torch_dynamo import DynamoError, root_cause
 from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents
+from compile_core.modes import ModeContext, make_mode
 from compile_core.pieces import PieceCompiler
-from compile_core.report import CompileLog, CompileReport, GraphEntry
-from ddp import torch_ddp
+from compile_core.report import CompileLog, CompileReport
 from ddp.agreement import RankAgreement, RankAgreementError
-from ddp.alignment import ReducerAlignment
 from ddp.bucketing import MiB
-from ddp.in_graph import InGraphReducer, in_graph_blocker
-from ddp.splitter import DDPSplitter, SplitGraph, SplitterConfig
+from ddp.in_graph import InGraphReducer
 from launch.heartbeat import beat
 
 log = logging.getLogger(__name__)
@@ -81,16 +78,6 @@ class CompiledModel:
                 "compile each module once"
             )
         self._inner = inner
-        self._mode = config.ddp or "split"
-        if self._ddp is None and self._mode in ("torch", "in_graph"):
-            raise ValueError(
-                f"ddp={self._mode!r} needs a DDP model (DistributedDataParallel; got {type(model).__name__}): "
-                "wrap it in DDP, or use ddp='none' for a plain module"
-            )
-        if self._mode == "in_graph":
-            blocker = in_graph_blocker(self._ddp)
-            if blocker is not None:
-                raise ValueError(f"ddp='in_graph' cannot keep DDP's behaviour here: {blocker.text}; use ddp='split'")
         self._log = CompileLog()
         self._events = CompileEvents()
         self._calls = 0
@@ -98,58 +85,24 @@ class CompiledModel:
             RankAgreement(self._ddp.process_group, prefix=f"ddp_compile/model{next(_models)}")
             if self._ddp is not None else None
         )
-        names = {id(p): n for n, p in inner.named_parameters()}
-        split = self._ddp is not None and self._mode == "split"
-        self._alignment = self._new_alignment(names, split=split)
-        if self._ddp is None:
-            self._log.notes.append("not a DDP model: graphs are compiled whole")
-
         cap, first = config.caps(int(self._ddp.bucket_bytes_cap) if self._ddp is not None else None)
-        self._pieces = PieceCompiler(config, self._log)
-        self._in_graph: InGraphReducer | None = None
-        if self._mode == "torch":
-            backend: Callable[..., Any] = self._torch_piece
-        elif self._mode == "in_graph":
-            self._in_graph = InGraphReducer(
-                self._ddp, names=names, bucket_cap_bytes=cap, first_bucket_cap_bytes=first, agreement=self._agreement,
-                reduce_dtype=config.reduce_dtype,
-            )
-            backend = self._in_graph_graph
-            self._in_graph.guard_variant_in(inner)
-            self._events.expected_switch = self._in_graph.first_call_in_variant
-        else:
-            splitter_config = SplitterConfig(
-                bucket_cap_bytes=cap, first_bucket_cap_bytes=first, param_names=names,
-                ignore=torch_ddp.ignored_names(self._ddp) if self._ddp is not None else frozenset(), split=split,
-                align_to_repeats=config.reuse_pieces,
-            )
-            backend = DDPSplitter(splitter_config, self._pieces, self._on_graph, compile_pieces=self._pieces.compile_many)
+        self._mode = make_mode(ModeContext(
+            model=model, ddp=self._ddp, inner=inner, names={id(p): n for n, p in inner.named_parameters()},
+            config=config, log=self._log, pieces=PieceCompiler(config, self._log), agreement=self._agreement,
+            cap_bytes=cap, first_cap_bytes=first, calls=lambda: self._calls,
+        ))
         self._compiled = self._events.compile(
-            _entry_for(inner), backend, fullgraph=config.fullgraph, dynamic=config.dynamic,
+            _entry_for(inner), self._mode.backend, fullgraph=config.fullgraph, dynamic=config.dynamic,
             on_compiled=self._graph_compiled,
         )
         inner._compiled_call_impl = self._run_inner
         # Run around DDP's own forward, however the model is called (through us or directly).
         model.register_forward_pre_hook(self._before_forward)
-        if self._in_graph is not None:
-            model.register_forward_hook(self._after_forward, always_call=True)
+        self._mode.install(model, inner, self._events)
         log.info(
             "compile_core: %s compiled with backend=%s ddp=%s cap=%.3g MiB first=%.3g MiB",
-            type(inner).__name__, config.backend_name, self._mode, cap / MiB, first / MiB,
+            type(inner).__name__, config.backend_name, self._mode.name, cap / MiB, first / MiB,
         )
-
-    def _new_alignment(self, names: dict[int, str], *, split: bool) -> ReducerAlignment:
-        if self._ddp is None:
-            return ReducerAlignment(ddp=None, names=names, status="not applicable", detail="no DDP")
-        if self._mode == "torch":
-            return ReducerAlignment(ddp=self._ddp, names=names, status="not ours",
-                                    detail="ddp='torch' leaves bucketing to PyTorch")
-        if self._mode == "in_graph":
-            return ReducerAlignment(ddp=self._ddp, names=names, status="not applicable",
-                                    detail="ddp='in_graph': the compiled backward all-reduces, DDP's reducer stays idle")
-        if not split:
-            return ReducerAlignment(ddp=self._ddp, names=names, status="not applicable", detail=f"ddp={self._mode!r}")
-        return ReducerAlignment(ddp=self._ddp, names=names, agreement=self._agreement)
 
     # ---- calling ---------------------------------------------------------------------------------
 
@@ -159,21 +112,13 @@ class CompiledModel:
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         # Between iterations, before DDP's pre-forward: the only safe moment to swap DDP's reducer.
         beat()  # progress, for a launcher watching for hangs (launch/heartbeat.py)
-        self._alignment.before_forward(self._calls)
-        if self._in_graph is not None:
-            self._in_graph.before_forward()
+        self._mode.before_forward()
         self._calls += 1
 
-    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._in_graph.after_forward(output)
-
     def _run_inner(self, *args: Any, **kwargs: Any) -> Any:
-        # In ddp='torch' PyTorch's DDPOptimizer splits; otherwise our backend does and DDPOptimizer
-        # must not split again.
-        around = pytorch_ddp_optimizer() if self._mode == "torch" else torch_ddp.hidden_from_dynamo()
         graphs = self._events.graphs
         try:
-            with around, self._events.call(), self._events.count_skipped_frames():
+            with self._mode.around_call(), self._events.call(), self._events.count_skipped_frames():
                 out = self._compiled(*args, **kwargs)
         except DynamoError as err:
             ours = root_cause(err, RankAgreementError)
@@ -187,40 +132,6 @@ class CompiledModel:
         return out
 
     # ---- compiling -------------------------------------------------------------------------------
-
-    def _torch_piece(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-        # PyTorch's DDPOptimizer calls this once per piece it made.
-        name = f"torch_piece_{len(self._log.graphs)}"
-        compiled, _ = self._pieces(gm, list(example_inputs), name, reuse=False)
-        with self._log.lock:
-            self._log.graphs.append(GraphEntry(name=name, pieces=1, buckets=[], seconds=0.0, step=self._calls))
-        return compiled
-
-    def _in_graph_graph(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-        # One graph, never split: its backward all-reduces the plan's buckets (ddp/in_graph/).
-        name = f"graph_{len(self._log.graphs)}"
-        after: list[str] = []
-        compiled, plan = self._in_graph.compile(gm, example_inputs, name, self._pieces, after.extend)
-        buckets = [] if plan is None else [b.to_dict() for b in plan.buckets]
-        for bucket, op in zip(buckets, after or ["(compiled artifact from cache)"] * len(buckets)):
-            bucket["after"] = op
-        with self._log.lock:
-            self._log.graphs.append(GraphEntry(
-                name=name, pieces=1, buckets=buckets, seconds=0.0, step=self._calls, variant=self._in_graph.variant,
-            ))
-        return compiled
-
-    def _on_graph(self, graph: SplitGraph) -> None:
-        plan = graph.plan
-        buckets = [b.to_dict() for b in plan.buckets]
-        caps = {"requested_bytes": plan.bucket_cap_bytes, "requested_first_bytes": plan.first_bucket_cap_bytes,
-                "planned_bytes": [b.nbytes for b in plan.buckets], "aligned_to": list(plan.aligned_to)}
-        with self._log.lock:
-            self._log.graphs.append(
-                GraphEntry(name=graph.name, pieces=graph.pieces, buckets=buckets, seconds=0.0, step=self._calls,
-                           bucket_caps=caps, restrided=graph.restrided if graph.pieces > 1 else None)
-            )
-        self._alignment.record(self._calls, graph)
 
     def _graph_compiled(self, seconds: float) -> None:
         with self._log.lock:
@@ -255,18 +166,18 @@ class CompiledModel:
 
     def report(self) -> CompileReport:
         return self._log.snapshot(
-            mode=self._mode if self._ddp is not None else "none", backend=self._config.backend_name,
-            events=self._events, alignment=self._alignment.to_dict(),
-            observed_alignment=self._alignment.observed(),
-            notes=self._alignment.notes,
+            mode=self._mode.name, backend=self._config.backend_name,
+            events=self._events, alignment=self._mode.alignment.to_dict(),
+            observed_alignment=self._mode.alignment.observed(),
+            notes=self._mode.alignment.notes,
             rank_differences=self._rank_differences(),
-            in_graph=self._in_graph.to_dict() if self._in_graph is not None else None,
+            **self._mode.report_fields(),
         )
 
     @property
     def in_graph(self) -> InGraphReducer | None:
         """The reducer of `ddp="in_graph"` mode (None in other modes)."""
-        return self._in_graph
+        return self._mode.reducer
 
     @property
     def module(self) -> torch.nn.Module:
@@ -285,7 +196,8 @@ class CompiledModel:
         return getattr(self._model, name)
 
     def __repr__(self) -> str:
-        return f"CompiledModel(backend={self._config.backend_name!r}, ddp={self._mode!r}, model={type(self._model).__name__})"
+        return (f"CompiledModel(backend={self._config.backend_name!r}, ddp={self._mode.name!r}, "
+                f"model={type(self._model).__name__})")
 
 
 def _entry_for(inner: torch.nn.Module) -> Callable[..., Any]:
