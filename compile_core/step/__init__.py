@@ -2,7 +2,8 @@
 
 * `train.py` -- `train_step`, `TrainStep`: forward + loss, backward, accumulation, the update;
 * `config.py`, `report.py` -- its configuration and report;
-* `update.py` -- the compiled optimizer update after the backward (per repeated block, or whole);
+* `update.py` -- the optimizer update after the backward compiled whole, and its capture check;
+* `chunked_update.py` -- the same update compiled once per repeated block (SGD, Adam, AdamW);
 * `optim_math.py` -- SGD/Adam/AdamW math per parameter, with host-computed scalars;
 * `in_backward.py` -- the update inside the compiled backward (`optimizer_in_backward=True`);
 * `hyperparams.py` -- lr/betas as tensors while a whole `optimizer.step()` runs compiled.

@@ -24,7 +24,7 @@ class OptimizerReport:
     graph_breaks: list[dict[str, str]] = dataclasses.field(default_factory=list)
     """Graph breaks Dynamo reported while capturing the first update ({"reason"})."""
     per_block: bool = False
-    """True: compiled per repeated block, one graph per distinct block (compile_core/step/update.py)."""
+    """True: compiled per repeated block, one graph per distinct block (compile_core/step/chunked_update.py)."""
     whole_step_reason: str | None = None
     """Why the update is compiled as one `optimizer.step()` instead (None when per block)."""
     graph_compiles: list[dict[str, Any]] = dataclasses.field(default_factory=list)

@@ -43,8 +43,7 @@ Note (design):
     recorder each (compile_core/events.py): every graph handed to the backend is counted and
     Dynamo's guard-failure hook supplies the reason of each recompile.
 
-    Where things live: `step_config.py` (TrainStepConfig), `hyperparams.py` (the pinned
-    hyperparameter tensors), `update.py` (the compiled update), `step_report.py` (the report).
+    Where things live: compile_core/step/__init__.py lists the package's files.
 """
 from __future__ import annotations
 
@@ -62,7 +61,8 @@ from compile_core.step.hyperparams import HyperparamPins
 from compile_core.step.in_backward import InBackwardController
 from compile_core.step.config import TrainStepConfig
 from compile_core.step.report import OptimizerReport, TrainStepReport
-from compile_core.step.update import ChunkedUpdate, CompiledUpdate, chunking_blocker, clip_and_step
+from compile_core.step.chunked_update import ChunkedUpdate
+from compile_core.step.update import CompiledUpdate, chunking_blocker, clip_and_step
 from inductor.torch_inductor import disk_caches_enabled
 from launch.heartbeat import beat
 

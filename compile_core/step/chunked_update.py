@@ -1,0 +1,317 @@
+"""The optimizer update compiled once per repeated block (`ChunkedUpdate`), for SGD, Adam and AdamW.
+
+Note [Optimizer update per block]
+---------------------------------
+Background: torch's CPU optimizers loop over the parameters in Python, so Dynamo traces one copy of
+the update per parameter: for a 12-block transformer that is ~200 copies to trace, lower and
+generate, every run (Dynamo's tracing is never cached), and it dominated a compiled train step's first step.
+
+Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW, as `compile_core/step/in_backward.py`):
+  * the parameters of each param group are cut into chunks: one per repeated block (from the
+    parameter names, ddp/bucketing/repeats.py) and one for the rest;
+  * one function applies the update math of compile_core/step/optim_math.py to each parameter of a chunk,
+    fed with a vector of scalars per parameter computed on the host as eager torch computes them
+    (a graph input: schedulers change values, never the graph);
+  * it is compiled once per group and chunk signature (shapes, strides, dtypes of the parameters and
+    their state), and every chunk of that signature reuses it: 12 identical blocks, one compile;
+  * update 1 runs `optimizer.step()` eagerly (it creates the optimizer state exactly as torch does),
+    then each distinct chunk is compiled by running it once on copies of one chunk's tensors, so the
+    compile still happens in the first step; from update 2 each chunk runs compiled, under no_grad.
+    When the state already exists at update 1 (a run resumed from a checkpoint, or plain SGD, which
+    keeps none), update 1 runs compiled too: a resumed run applies the same compiled math at every
+    update as the run it continues.
+  * clipping (`clip_grad_norm_` over all gradients) is its own compiled function, called first;
+  * a parameter without a gradient has no optimizer state (unused so far, `find_unused_parameters`):
+    the update in which one first has a gradient runs `optimizer.step()` eagerly, which creates its
+    state as torch does, and a chunk that was incomplete at update 1 is compiled when it first runs
+    with every gradient; a chunk missing a gradient in some update runs eagerly there, skipping it.
+The optimizer state tensors are the optimizer's own, updated in place, so `optimizer.state_dict()`
+is what an eager run gives. Optimizers with step hooks, other optimizer classes, differentiable or
+sparse groups keep `CompiledUpdate`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+from aot.torch_dynamo import DynamoError, lookup_backend, watch_caches
+from compile_core.step import optim_math
+from compile_core.compile_once import CompileOnce, Compiled, Job, rank_offset, say
+from compile_core.events import CompileEvents
+from ddp.bucketing import ParamInfo
+from ddp.bucketing.repeats import repeated_units
+
+
+@dataclasses.dataclass
+class _Chunk:
+    group: int
+    """Index of its param group."""
+    name: str
+    """`group0.blocks.3` or `group0.rest`."""
+    params: list[torch.nn.Parameter]
+    signature: tuple = ()
+
+
+class ChunkedUpdate:
+    """The optimizer update per block (see Note [Optimizer update per block]); `compiled(update_index)`."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, names: dict[int, str], backend: str | Callable[..., Any],
+        events: CompileEvents, *, clip_max_norm: float | None = None,
+        eager_step: Callable[[], Any] | None = None, claims: bool = False,
+    ) -> None:
+        self.optimizer = optimizer
+        self._eager_step = eager_step or optimizer.step
+        self.events = events
+        self.clip_max_norm = clip_max_norm
+        self.records: list[dict[str, Any]] = []
+        """One per chunk: `name`, `cache` (reused, or the cache outcome), `seconds`, `reused_from`."""
+        self._backend = lookup_backend(backend) if isinstance(backend, str) else backend
+        self._backend_name = backend if isinstance(backend, str) else "custom"
+        self._chunks = _plan_chunks(optimizer, names)
+        self._params = [p for c in self._chunks for p in c.params]
+        self._fns: dict[tuple, Callable[..., Any]] = {}
+        self._clip: Callable[[], Any] | None = None
+        self._calls = 0
+        self._stateless: list[torch.Tensor] = []  # parameters with no optimizer state yet (no gradient so far)
+        # Claims only (no reuse here: Dynamo's cache per chunk signature does that): with Inductor,
+        # the ranks of a node compile different chunks and load the others' (Note [Compile once]).
+        self._once = CompileOnce(reuse=False, claims=claims, records=[], lock=threading.Lock()) if claims else None
+        self.failure: BaseException | None = None
+        """Why the chunks could not be compiled (update 1 was applied eagerly; use eager from now on)."""
+
+    def __call__(self, update_index: int) -> torch.Tensor | None:
+        self.events.label = {"update": update_index}
+        if self._calls == 0 and self._resumed():
+            # A resumed run (the optimizer state was loaded): no eager update to create it, so the
+            # updates after a restart are the same compiled math as those of an uninterrupted run.
+            try:
+                with self.events.call(), self.events.count_breaks():
+                    self._prepare()
+            except DynamoError as err:
+                self.failure = err
+                norm = self._eager(update_index)
+            else:
+                norm = self._compiled_update()
+        elif self._calls == 0:
+            norm = self._eager(update_index)  # creates the optimizer state, as torch does
+            try:
+                with self.events.call(), self.events.count_breaks():
+                    self._prepare()
+            except DynamoError as err:  # nothing compiled ran on real tensors: update 1 stands
+                self.failure = err
+        elif self._gains_state():
+            # A parameter has its first gradient: torch's own step creates its state (as in update 1).
+            norm = self._eager(update_index)
+            self._stateless = self._without_state()
+        else:
+            norm = self._compiled_update()
+        self._calls += 1
+        return norm
+
+    def _compiled_update(self) -> torch.Tensor | None:
+        with self.events.call():
+            norm = self._clip() if self._clip is not None else None
+            with torch.no_grad():
+                for chunk in self._chunks:
+                    self._run(chunk, self._compiled_fn(chunk))
+        return norm
+
+    def _resumed(self) -> bool:
+        """Every parameter that has a gradient now already has the optimizer state its update reads (a
+        loaded checkpoint; or an optimizer that keeps none, like plain SGD)."""
+        groups = self.optimizer.param_groups
+        with_grad = [(p, groups[c.group]) for c in self._chunks for p in c.params if p.grad is not None]
+        return bool(with_grad) and all(self._has_state(p, g) for p, g in with_grad)
+
+    def uncaptured(self, params: list[torch.Tensor]) -> list[int]:
+        """Indices of `params` that no compiled graph updates (all of them if nothing compiled)."""
+        return [] if self.events.graphs else list(range(len(params)))
+
+    # -- update 1 ----------------------------------------------------------------------------------
+
+    def _eager(self, update_index: int) -> torch.Tensor | None:
+        norm = None
+        if self.clip_max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self._params, self.clip_max_norm)
+        self._eager_step()
+        return norm
+
+    # -- parameters without a gradient or optimizer state yet ----------------------------------------
+
+    def _has_state(self, p: torch.Tensor, group: dict) -> bool:
+        state = self.optimizer.state.get(p, {})
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return group["momentum"] == 0 or state.get("momentum_buffer") is not None
+        return "step" in state
+
+    def _without_state(self) -> list[torch.Tensor]:
+        groups = self.optimizer.param_groups
+        return [p for c in self._chunks for p in c.params if not self._has_state(p, groups[c.group])]
+
+    def _gains_state(self) -> bool:
+        """Whether a parameter that has no optimizer state yet (it had no gradient so far) has one now:
+        the functional update cannot create state, `optimizer.step()` does."""
+        return any(p.grad is not None for p in self._stateless)
+
+    def _compiled_fn(self, chunk: _Chunk) -> Callable[..., Any] | None:
+        """The compiled update of this chunk's signature; compiled now (on the real tensors, by this
+        call) for a chunk that was incomplete at update 1. None while a gradient is missing."""
+        if any(p.grad is None for p in chunk.params):
+            return None
+        if not chunk.signature:
+            chunk.signature = self._signature(chunk)
+        key = (chunk.group, chunk.signature)
+        if key not in self._fns:
+            self._fns[key] = self.events.compile(_UPDATES[type(self.optimizer)], self._recording(chunk.name),
+                                                 isolate_recompiles=True)
+        return self._fns[key]
+
+    def _prepare(self) -> None:
+        """Compile each distinct chunk (and the clip) by running it once on copies of its tensors."""
+        start = time.perf_counter()
+        first: dict[tuple, str] = {}
+        distinct = []
+        self._stateless = self._without_state()
+        stateless = set(map(id, self._stateless))
+        for chunk in self._chunks:
+            if any(p.grad is None or id(p) in stateless for p in chunk.params):
+                continue  # compiled when it first runs complete (`_compiled_fn`)
+            chunk.signature = self._signature(chunk)
+            key = (chunk.group, chunk.signature)
+            if key in first:
+                self.records.append({"name": f"update.{chunk.name}", "cache": "reused", "seconds": 0.0,
+                                     "reused_from": f"update.{first[key]}"})
+                continue
+            first[key] = chunk.name
+            distinct.append(chunk)
+        # Each rank starts with another chunk, so that with claims they compile different ones at once.
+        offset = rank_offset(len(distinct))
+        for chunk in distinct[offset:] + distinct[:offset]:
+            key = (chunk.group, chunk.signature)
+            fn = self.events.compile(_UPDATES[type(self.optimizer)], self._recording(chunk.name),
+                                     isolate_recompiles=True)
+            self._fns[key] = fn
+            # Copies as Parameters: Dynamo's guards check the tensor type too.
+            params = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in chunk.params]
+            for p, real in zip(params, chunk.params):
+                p.grad = real.grad.detach().clone()
+            states = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                       for k, v in self.optimizer.state[real].items()} for real in chunk.params]
+            with torch.no_grad():
+                self._run(chunk, fn, params=params, states=states)
+        if self.clip_max_norm is not None:
+            params, max_norm = self._params, self.clip_max_norm
+            self._clip = self.events.compile(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm),
+                                             self._recording("clip"), isolate_recompiles=True)
+            saved = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+            self._clip()  # compiles; scales the gradients, which are restored below
+            for p, g in zip(params, saved):
+                if g is not None:
+                    p.grad.copy_(g)
+        reused = sum(1 for r in self.records if r["reused_from"] is not None)
+        say("optimizer update: %d chunk(s), %d compiled, %d reused; %.2f s",
+            len(self._chunks), len(self._chunks) - reused, reused, time.perf_counter() - start)
+
+    def _signature(self, chunk: _Chunk) -> tuple:
+        def meta(t: Any) -> Any:
+            if isinstance(t, torch.Tensor):
+                return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type)
+            return type(t).__name__
+
+        return tuple(
+            (meta(p), meta(p.grad), tuple(sorted((k, meta(v)) for k, v in self.optimizer.state[p].items())))
+            for p in chunk.params
+        )
+
+    def _recording(self, name: str) -> Callable[..., Any]:
+        backend = self._backend
+        backend_name = self._backend_name
+
+        def compile_chunk(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+            def compile_it(job: Job) -> Compiled:
+                with watch_caches() as cache:
+                    fn = backend(job.gm, job.inputs)
+                return Compiled(fn=fn, used_aot=True, backend=backend_name, cache=cache)
+
+            job = Job(gm=gm, inputs=list(example_inputs), name=f"update.{name}")
+            if self._once is not None:
+                compiled = self._once.compile_all([job], ("optimizer", backend_name), compile_it)[0]
+                self.records.append(self._once.records[-1].to_dict())
+                return compiled.fn
+            start = time.perf_counter()
+            compiled = compile_it(job)
+            record = {"name": job.name, "cache": compiled.cache.describe(), "seconds": time.perf_counter() - start,
+                      "reused_from": None}
+            self.records.append(record)
+            say("%s compiled (%s) %.2f s", job.name, record["cache"], record["seconds"])
+            return compiled.fn
+
+        return compile_chunk
+
+    # -- every update ------------------------------------------------------------------------------
+
+    def _run(self, chunk: _Chunk, fn: Callable[..., Any] | None, *, params: list | None = None,
+             states: list[dict] | None = None) -> None:
+        params = chunk.params if params is None else params
+        if states is None:
+            states = [self.optimizer.state[p] for p in params]
+        if fn is None or any(p.grad is None for p in params):
+            # torch skips parameters without a gradient; so does this (rare) path, eagerly.
+            kept = [(p, s) for p, s in zip(params, states) if p.grad is not None]
+            if kept:
+                _UPDATES[type(self.optimizer)](*_arguments(self.optimizer, chunk.group, *zip(*kept)))
+            return
+        fn(*_arguments(self.optimizer, chunk.group, params, states))
+
+
+def _plan_chunks(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[_Chunk]:
+    chunks: list[_Chunk] = []
+    for index, group in enumerate(optimizer.param_groups):
+        params = [p for p in group["params"] if p.requires_grad]
+        infos = [ParamInfo(name=names.get(id(p), f"param{i}"), nbytes=p.numel() * p.element_size(),
+                           key=f"{p.dtype}/{p.device}") for i, p in enumerate(params)]
+        units = repeated_units(infos)
+        by_unit: dict[str, list] = {}
+        for p, info in zip(params, infos):
+            by_unit.setdefault(units.get(info.name, ""), []).append(p)
+        for unit, members in by_unit.items():
+            chunks.append(_Chunk(group=index, name=f"group{index}.{unit or 'rest'}", params=members))
+    return chunks
+
+
+def _arguments(optimizer: torch.optim.Optimizer, group_index: int, params: Any, states: Any) -> tuple:
+    """(params, grads, state lists..., scalars, flags) for the group's update (compile_core/step/optim_math.py)."""
+    group = optimizer.param_groups[group_index]
+    params = list(params)
+    grads = [p.grad for p in params]
+    if isinstance(optimizer, torch.optim.SGD):
+        buffers = [s.get("momentum_buffer") if group["momentum"] != 0 else None for s in states]
+        flags = {"weight_decay": group["weight_decay"] != 0, "nesterov": group["nesterov"],
+                 "maximize": group["maximize"]}
+        return params, grads, buffers, optim_math.scalars(optimizer, group, [0.0] * len(params)), flags
+    amsgrad = bool(group.get("amsgrad"))
+    steps = [float(s["step"]) + 1 for s in states]  # the step this update reaches (eager reads it after += 1)
+    flags = {"decoupled": optim_math.decoupled(optimizer, group), "weight_decay": group["weight_decay"] != 0,
+             "maximize": group["maximize"]}
+    return (params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if amsgrad else [None] * len(params), [s["step"] for s in states],
+            optim_math.scalars(optimizer, group, steps), flags)
+
+
+def _sgd_chunk(params: list, grads: list, buffers: list, scalars: torch.Tensor, flags: dict) -> None:
+    for i, p in enumerate(params):
+        optim_math.sgd_math(p, grads[i], buffers[i], scalars[i], **flags)
+
+
+def _adam_chunk(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, max_exp_avg_sqs: list,
+                steps: list, scalars: torch.Tensor, flags: dict) -> None:
+    for i, p in enumerate(params):
+        optim_math.adam_math(p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], scalars[i],
+                             **flags)
+
+
+_UPDATES = {torch.optim.SGD: _sgd_chunk, torch.optim.Adam: _adam_chunk, torch.optim.AdamW: _adam_chunk}
