@@ -519,13 +519,12 @@ def test_untraceable_optimizer_runs_eagerly_and_says_so():
 
 
 def test_backend_failure_on_the_update_falls_back_with_the_error(monkeypatch):
-    update_module = importlib.import_module("compile_core.step.update")
-
     def refusing_backend(gm, example_inputs):
         raise RuntimeError("this backend refuses optimizer graphs")
 
-    # The update looks its backend up by name; the model's backend stays aot_eager.
-    monkeypatch.setattr(update_module, "lookup_backend", lambda backend: refusing_backend)
+    # The update looks its backend up by name (whole or per block); the model's backend stays aot_eager.
+    for name in ("compile_core.step.update", "compile_core.step.chunked_update"):
+        monkeypatch.setattr(importlib.import_module(name), "lookup_backend", lambda backend: refusing_backend)
     data = batches(3)
     model, opt, sched = make_setup("adamw", "step")
     step = train_step(model, opt, F.mse_loss, backend=BACKEND, lr_scheduler=sched)
