@@ -20,7 +20,7 @@ It is stable across processes for the same program (no ids, no addresses), so ra
 name the same graph the same way. What cannot be named stably (a lambda target, a tensor constant
 held by the graph) is named by its id: such graphs are never shared, and that is the safe answer.
 
-Notes: knows nothing of DDP or of buckets; used by compile_core/compile_once.py.
+Notes: knows nothing of DDP or of buckets; used by compile_core/reuse/compile_once.py.
 
 Debugging: `structural_lines(gm, inputs)` returns the text that is hashed.
 """

@@ -45,7 +45,7 @@ class CompileConfig:
     """Inductor config overrides (Inductor only)."""
     reuse_pieces: bool = True
     """Keep bucket cuts in step with repeated blocks and compile identical pieces once
-    (compile_core/compile_once.py); False: cut by bytes alone and compile every piece."""
+    (compile_core/reuse/compile_once.py); False: cut by bytes alone and compile every piece."""
     reduce_dtype: torch.dtype | None = None
     """ddp='in_graph' only: the dtype gradients are all-reduced in (cast per bucket, as DDP's
     fp16/bf16 compress hooks do); None = the gradients' own dtype (or the registered hook's)."""

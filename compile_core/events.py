@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from aot.torch_dynamo import break_counters, compile_with_guard_hook, graph_break_of
-from compile_core.compile_once import say
+from compile_core.reuse.compile_once import say
 from launch.heartbeat import beat
 
 Backend = Callable[..., Callable[..., Any]]

@@ -4,7 +4,7 @@ A piece that the requested backend cannot compile is not fatal: it falls back al
 `CompileConfig.fallback_chain()` (inductor -> aot_eager -> eager), and every fallback is recorded
 with the error that caused it. Dynamo's own restart signal is passed through untouched: it means
 "trace again", not "this compiler failed". Which pieces are compiled at all, and by which rank, is
-compile_core/compile_once.py's business (Note [Compile once]).
+compile_core/reuse/compile_once.py's business (Note [Compile once]).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from aot import GraphPair, aot_compile, nop_compiler
 from aot.torch_dynamo import CacheOutcome, RestartAnalysis, non_lazy_backward, watch_caches
-from compile_core.compile_once import CompileOnce, Compiled, Job
+from compile_core.reuse.compile_once import CompileOnce, Compiled, Job
 from compile_core.config import CompileConfig
 from compile_core.report import CompileLog
 from inductor import inductor_compile

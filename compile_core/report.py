@@ -47,7 +47,7 @@ class CompileLog:
         self.pairs: list[GraphPair] = []
         self.notes: list[str] = []
         self.pieces: list = []
-        """`PieceRecord` per compiled or reused graph/piece (compile_core/compile_once.py)."""
+        """`PieceRecord` per compiled or reused graph/piece (compile_core/reuse/compile_once.py)."""
 
     def snapshot(
         self, *, mode: str, backend: str, events: CompileEvents, alignment: dict, observed_alignment: dict | None,
@@ -106,7 +106,7 @@ class CompileReport:
     piece_compiles: list[dict] = dataclasses.field(default_factory=list)
     """One per graph or piece: `name`, `key`, `cache` (reused, or the cache outcome), `seconds`,
     `backend`, `reused_from`, and for a piece another rank held: `waited_s`, `waited_for`, `leader`
-    (compile_core/compile_once.py)."""
+    (compile_core/reuse/compile_once.py)."""
 
     def compile_once(self) -> dict[str, Any]:
         """Totals over `piece_compiles`: pieces, compiled here, loaded from the cache, reused."""

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 from aot.torch_dynamo import DynamoError, lookup_backend, watch_caches
 from compile_core.step import optim_math
-from compile_core.compile_once import CompileOnce, Compiled, Job, rank_offset, say
+from compile_core.reuse.compile_once import CompileOnce, Compiled, Job, rank_offset, say
 from compile_core.events import CompileEvents
 from ddp.bucketing import ParamInfo
 from ddp.bucketing.repeats import repeated_units

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 from aot.torch_dynamo import lookup_backend, optimizer_step_hooks, watch_caches
-from compile_core.compile_once import say
+from compile_core.reuse.compile_once import say
 from compile_core.events import CompileEvents
 from compile_core.step.in_backward import support
 

@@ -4,7 +4,7 @@ Note [Buckets at block boundaries]
 ----------------------------------
 Background: a transformer is mostly one block repeated (`blocks.0` ... `blocks.11`). When every
 bucket holds whole blocks, the graph pieces of those buckets are the same graph with other
-parameters, and each distinct piece needs to be compiled only once (compile_core/compile_once.py).
+parameters, and each distinct piece needs to be compiled only once (compile_core/reuse/compile_once.py).
 Cutting by bytes alone puts the cuts at a different offset inside each block, so no two pieces are
 alike and every one is compiled.
 

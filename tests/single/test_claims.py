@@ -1,4 +1,4 @@
-"""Compile claims between processes (inductor/claims.py): no compiler, plain processes and files."""
+"""Compile claims between processes (compile_core/reuse/claims.py): no compiler, plain processes and files."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from inductor.claims import CompileClaims
+from compile_core.reuse.claims import CompileClaims
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ claim.release()
 def _start_holder(tmp_path, how: str, seconds: float) -> subprocess.Popen:
     # A bare interpreter loading only claims.py (no torch): it claims within a fraction of a second.
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(REPO / "inductor" / "claims.py"), str(tmp_path), how, str(seconds)],
+        [sys.executable, "-c", HOLDER, str(REPO / "compile_core" / "reuse" / "claims.py"), str(tmp_path), how, str(seconds)],
         stdout=subprocess.PIPE, text=True,
     )
     assert proc.stdout.readline().strip() == "claimed", "the holder never claimed"

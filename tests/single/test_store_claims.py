@@ -1,4 +1,4 @@
-"""Job-wide claims through a store (inductor/store_claims.py) and shipped compiles (inductor/artifacts.py),
+"""Job-wide claims through a store (compile_core/reuse/store_claims.py) and shipped compiles (inductor/artifacts.py),
 with ranks played by threads sharing one in-process store, each with its own cache dir (its "node")."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from inductor import artifacts
-from inductor.store_claims import StoreClaims
+from compile_core.reuse.store_claims import StoreClaims
 
 LIB = "ab/c" + "x" * 51 + ".main.so"  # where Inductor would put a kernel library
 

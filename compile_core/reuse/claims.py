@@ -22,7 +22,7 @@ Notes: the state file is replaced atomically (write, then rename), so a reader n
 it. Claims live as long as the cache directory; a state from an earlier job only says how that job
 went, and a claim is always taken again before compiling. Used where no process group joins the
 processes (several processes of a node without torch.distributed); in a distributed job the claims
-go through the job's store instead and span every node (inductor/store_claims.py). Nothing here
+go through the job's store instead and span every node (compile_core/reuse/store_claims.py). Nothing here
 knows what a graph, a rank or a bucket is: the caller names itself (`me`) and what it compiles.
 
 Debugging: `ls <cache dir>/ddp_compile/claims/`; each `*.state` is one JSON line.

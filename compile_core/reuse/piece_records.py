@@ -1,4 +1,4 @@
-"""What compiling one piece produced and how it went: the records compile_core/compile_once.py keeps
+"""What compiling one piece produced and how it went: the records compile_core/reuse/compile_once.py keeps
 (Note [Compile once]) and `report()["piece_compiles"]` shows."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from aot import GraphPair
 from aot.torch_dynamo import CacheOutcome
-from inductor.claims import Holder
+from compile_core.reuse.claims import Holder
 
 
 @dataclasses.dataclass

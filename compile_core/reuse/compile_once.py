@@ -16,10 +16,10 @@ Algorithm, for a batch of graphs (the pieces of one split graph, or one whole gr
      reuse that callable: `graph_0.piece_3 reused from graph_0.piece_1`.
   3. Claims (Inductor with its disk caches on). The distinct keys are compiled under a claim per
      key. In a distributed job the claims are job-wide, in the default process group's store
-     (inductor/store_claims.py): one rank of the whole job compiles a key and ships the compile
+     (compile_core/reuse/store_claims.py): one rank of the whole job compiles a key and ships the compile
      through the store (inductor/artifacts.py), the others, on any node, install it into their own
      cache dir. Without a process group, processes sharing the cache dir claim through files there
-     (inductor/claims.py). Each rank starts at its own offset in the list and first compiles what
+     (compile_core/reuse/claims.py). Each rank starts at its own offset in the list and first compiles what
      nobody else has claimed; then it waits for the claims others hold, bounded by
      `DDP_COMPILE_CLAIM_TIMEOUT_S` (default 300 s), saying for whom it waits, and loads their result
      (an AOTAutograd cache hit: no trace, no lowering). If the holder failed or died (store claims: no
@@ -60,11 +60,11 @@ import torch
 import torch.distributed as dist
 
 from aot.structure import structural_key
-from compile_core.piece_records import Compiled, Job, PieceRecord, Wait
+from compile_core.reuse.piece_records import Compiled, Job, PieceRecord, Wait
 from ddp import torch_ddp
 from ddp.agreement import env_seconds
-from inductor.claims import CompileClaims, Holder
-from inductor.store_claims import StoreClaims
+from compile_core.reuse.claims import CompileClaims, Holder
+from compile_core.reuse.store_claims import StoreClaims
 from inductor.torch_inductor import cache_dir
 from launch.heartbeat import beat
 

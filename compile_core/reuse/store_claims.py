@@ -3,7 +3,7 @@ other rank, on every node, loads it from the bytes that rank ships through the s
 
 Note [Job-wide claims]
 ----------------------
-Background: file claims (inductor/claims.py) make the ranks of one node compile each graph once;
+Background: file claims (compile_core/reuse/claims.py) make the ranks of one node compile each graph once;
 they share a cache dir, nothing else. Ranks on other nodes cannot see that dir, so each node
 compiled everything again. The job's c10d store (the one its process group was made with, reached
 by every rank on every node) carries both the claim and the compiled result.
@@ -41,7 +41,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from inductor import artifacts
-from inductor.claims import Holder
+from compile_core.reuse.claims import Holder
 
 log = logging.getLogger(__name__)
 
