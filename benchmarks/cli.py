@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 from benchmarks.config import (
-    COMPILE_WORKLOAD, MODES, OPTIMIZERS, TINY_SHAPE, WORKLOAD_NAMES, BenchConfig, Workload, full_workloads,
+    COMPILE_WORKLOAD, MODES, OPTIMIZERS, TINY_PRESET, WORKLOAD_NAMES, BenchConfig, Workload, full_workloads,
 )
+from examples.gpt_config import GPTConfig
 from benchmarks.deps import missing
 from benchmarks.runner import REPO_ROOT
 
 PRESETS = {
-    # (rounds, warmup, steps); quick and smoke also shrink the model (TINY_SHAPE)
+    # (rounds, warmup, steps); quick and smoke also shrink the model (GPT preset TINY_PRESET)
     "full": (2, 3, 10),
     "quick": (1, 2, 10),
     "smoke": (1, 1, 1),
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
     p.add_argument("--workloads", default=None,
                    help="comma list from compute,comm,compile (default all three; --quick: comm only; "
-                        "compile = GPT 12 blocks d=256, 1 MiB buckets, for cold/warm first-step times)")
+                        f"compile = GPT {COMPILE_WORKLOAD.model.n_layers} blocks d={COMPILE_WORKLOAD.model.d_model}, "
+                        "1 MiB buckets, for cold/warm first-step times)")
     p.add_argument("--backend", default=None, help="inductor (default), aot_eager (smoke default) or eager")
     p.add_argument("--optimizer", default=None, choices=sorted(OPTIMIZERS),
                    help="adamw (default: AdamW lr 1e-3, weight decay 0.01) or sgd (smoke default: SGD lr 0.05, "
@@ -81,11 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-dtype", choices=("bf16", "fp16"), default=None,
                    help="reduce_dtype= for our ddp='in_graph' modes only; other modes unchanged")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", type=Path, default=None, help="default bench_out/<preset>")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="default bench_out/<preset>; with --render, where results.json and the chart are rewritten "
+                        "(default: the out dir the results.json recorded)")
     p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
                    help="run nothing: rebuild table, chart, JSON and report from an earlier results.json")
     p.add_argument("--markdown", type=Path, default=None,
-                   help="report path (default: BENCHMARKS.md in the repo for full runs, OUT_DIR/BENCHMARKS.md otherwise)")
+                   help="report path (default: BENCHMARKS.md in the repo for full runs, OUT_DIR/BENCHMARKS.md "
+                        "otherwise)")
     return p
 
 
@@ -93,20 +98,20 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     rounds, warmup, steps = PRESETS[preset]
     tiny = preset != "full"
-    shape = dict(
-        d_model=args.d_model or (TINY_SHAPE["d_model"] if tiny else 384),
-        n_layers=args.layers or (TINY_SHAPE["n_layers"] if tiny else 6),
-        n_heads=args.heads or (TINY_SHAPE["n_heads"] if tiny else 6),
-        vocab_size=args.vocab or (TINY_SHAPE["vocab_size"] if tiny else 4096),
-    )
+    overrides = {"d_model": args.d_model, "n_layers": args.layers, "n_heads": args.heads, "vocab_size": args.vocab}
+    try:
+        model = GPTConfig.preset(TINY_PRESET if tiny else "bench", **{k: v for k, v in overrides.items() if v})
+    except ValueError as err:
+        raise ValueError(f"--d-model/--layers/--heads/--vocab: {err}") from None
     all_workloads = full_workloads(
-        **shape,
+        model=model,
         compute_batch=args.compute_batch or ((4, 64) if tiny else (8, 128)),
         comm_batch=args.comm_batch or ((1, 32) if tiny else (2, 64)),
     )
     if preset == "smoke":
         # smoke checks plumbing, not compile time: the compile workload shrinks to the tiny model too
-        all_workloads = all_workloads[:2] + (dataclasses.replace(COMPILE_WORKLOAD, **TINY_SHAPE),)
+        tiny_compile = dataclasses.replace(COMPILE_WORKLOAD, model=GPTConfig.preset(TINY_PRESET))
+        all_workloads = all_workloads[:2] + (tiny_compile,)
     if args.bucket_cap_mb is not None or tiny:
         # one cap for every workload: the one asked for, or 1 MiB for the tiny model (~3.7 MB, one default
         # bucket; 1 MiB gives several). Not lower: DDPOptimizer asserts when the cap is under DDP's 1 MiB
@@ -157,13 +162,15 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     )
 
 
-def config_from_json(data: dict, *, markdown: Path | None, plot: bool = True) -> BenchConfig:
-    """The BenchConfig an earlier run recorded in its results.json (older runs: SGD, no profiler)."""
+def config_from_json(data: dict, *, markdown: Path | None, plot: bool = True,
+                     out_dir: Path | None = None) -> BenchConfig:
+    """The BenchConfig an earlier run recorded in its results.json (older runs: SGD, no profiler, the model's
+    shape recorded flat); `markdown` and `out_dir` replace the recorded ones when given."""
     raw = dict(data["config"])
     raw.pop("optimizer_kwargs", None)  # derived from optimizer and lr
-    raw["workloads"] = tuple(Workload(**w) for w in raw["workloads"])
+    raw["workloads"] = tuple(Workload.from_dict(w) for w in raw["workloads"])
     raw["modes"] = tuple(raw["modes"])
-    raw["out_dir"] = Path(raw["out_dir"])
+    raw["out_dir"] = out_dir.resolve() if out_dir is not None else Path(raw["out_dir"])
     raw["markdown"] = markdown or (Path(raw["markdown"]) if raw.get("markdown") else None)
     raw["plot"] = plot and raw.get("plot", True)
     if "optimizer" not in raw and raw.get("lr") == 0.05:
@@ -172,7 +179,7 @@ def config_from_json(data: dict, *, markdown: Path | None, plot: bool = True) ->
 
 
 def _publish(cfg: BenchConfig, jobs: list[dict]) -> None:
-    from benchmarks.report import aggregate, all_tables, benchmarks_md, plot_step_ms, write_json
+    from benchmarks.report import aggregate, all_tables, plot_step_ms, write_json, write_report
 
     result = aggregate(cfg, jobs)
     json_path = write_json(result, cfg.out_dir / "results.json")
@@ -181,9 +188,21 @@ def _publish(cfg: BenchConfig, jobs: list[dict]) -> None:
     print(all_tables(result, timing_claims=cfg.preset != "smoke"))
     print(f"\nJSON: {json_path}" + (f"\nchart: {chart}" if chart else ""))
     if cfg.markdown is not None:
-        cfg.markdown.parent.mkdir(parents=True, exist_ok=True)
-        cfg.markdown.write_text(benchmarks_md(result, chart=chart, json_path=json_path, md_path=cfg.markdown))
-        print(f"report: {cfg.markdown}")
+        write_report(result, chart=chart, json_path=json_path, md_path=cfg.markdown, out_dir=cfg.out_dir)
+        print(f"report: {cfg.markdown} (generated part replaced; text outside its markers kept)")
+
+
+def _markdown_problem(markdown: Path | None) -> bool:
+    """The report's generated:begin/end markers are broken (checked before any job: it is written last)."""
+    from benchmarks.report import check_markdown
+
+    try:
+        if markdown is not None:
+            check_markdown(markdown)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return True
+    return False
 
 
 def _missing_dependencies(plot: bool) -> bool:
@@ -208,12 +227,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --render {args.render}: no such results.json; pass the file a run wrote", file=sys.stderr)
             return 2
         data = json.loads(args.render.read_text())
-        _publish(config_from_json(data, markdown=args.markdown, plot=not args.no_plot), data["jobs"])
+        cfg = config_from_json(data, markdown=args.markdown, plot=not args.no_plot, out_dir=args.out_dir)
+        if _markdown_problem(cfg.markdown):
+            return 2
+        _publish(cfg, data["jobs"])
         return 0
     try:
         cfg = config_from_args(args, command="python -m benchmarks " + shlex.join(argv))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    if _markdown_problem(cfg.markdown):
         return 2
     if cfg.link_gbit is not None:  # before the first job: a run must not fail on its link halfway through
         from benchmarks.link import unavailable_reason

@@ -24,15 +24,16 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run as a script: the repo root holds compile_core and examples
     sys.path.insert(0, _ROOT)
 
-import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs
-from torch.utils.data import DataLoader, TensorDataset
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DistributedDataParallelKwargs  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-import compile_core.integrations.accelerate as ddp_compile
-from examples.gpt import GPT, GPTConfig, lm_loss
+import compile_core.integrations.accelerate as ddp_compile  # noqa: E402
+from compile_core import BACKENDS  # noqa: E402
+from examples.gpt import GPT, GPT_PRESETS, lm_loss  # noqa: E402
 
-CFG = GPTConfig(vocab_size=128, d_model=64, n_layers=3, n_heads=4, max_seq_len=32)
+CFG = GPT_PRESETS["integration"]
 
 
 def token_dataset(n: int, seq_len: int = 16) -> TensorDataset:
@@ -44,7 +45,7 @@ def token_dataset(n: int, seq_len: int = 16) -> TensorDataset:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-compile", action="store_true", help="accelerate's DDP model as prepared (the baseline)")
-    p.add_argument("--backend", choices=("inductor", "aot_eager", "eager"), default="inductor")
+    p.add_argument("--backend", choices=BACKENDS, default="inductor")
     p.add_argument("--ddp-mode", choices=("split", "in_graph", "none", "torch"), default="split")
     p.add_argument("--bucket-cap-mb", type=float, default=0.05, help="DDP's bucket cap (small: several buckets)")
     p.add_argument("--steps", type=int, default=5)

@@ -1,41 +1,17 @@
 """A small GPT-like model on synthetic tokens, shared by the demo job, the benchmark and the tests.
 
-No downloads: tokens come from a seeded generator.
+No downloads: tokens come from a seeded generator. The model's shape (`GPTConfig`) and its named presets
+(`GPT_PRESETS`) live in examples/gpt_config.py, which imports no torch; both are re-exported here.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from examples.gpt_config import GPT_PRESETS, GPTConfig
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Shape of the model."""
-
-    vocab_size: int = 4096
-    """Number of token ids."""
-    d_model: int = 384
-    """Width of the residual stream."""
-    n_layers: int = 6
-    """Number of transformer blocks."""
-    n_heads: int = 6
-    """Attention heads per block (must divide d_model)."""
-    max_seq_len: int = 256
-    """Longest sequence the position table covers."""
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name}={value!r}: must be a positive int")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"GPTConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                "pick n_heads that divides d_model"
-            )
+__all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "lm_loss", "synthetic_batch"]
 
 
 class Block(nn.Module):

@@ -20,8 +20,9 @@ there, so `python -m launch --max-restarts K` continues where the job was when a
 same parameters an uninterrupted run would have. While the first step compiles,
 rank 0 shows one `compile_core:` line per graph piece (compiled, loaded from the cache, or reused from an
 identical piece, with seconds) and every rank says when it waits for another rank's compile; `--log-level
-WARNING` hides them. The process-group backend comes from DDP_COMPILE_BACKEND (set by the launcher), else
-nccl when this rank has a GPU, else gloo.
+WARNING` hides them. The process-group backend comes from DDP_COMPILE_DIST_BACKEND (set by the launcher),
+else nccl when this rank has a GPU, else gloo. The model is the `demo` preset of examples/gpt_config.py, with
+--d-model, --layers, --vocab and --seq-len replacing its fields.
 """
 from __future__ import annotations
 
@@ -45,13 +46,17 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from examples import checkpoint  # noqa: E402
-from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
+from examples.gpt import GPT, GPT_PRESETS, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
 from launch import heartbeat, restarts  # noqa: E402  (torch-free; no-ops unless launched by python -m launch)
 
-BACKEND_ENV = "DDP_COMPILE_BACKEND"
+DIST_BACKEND_ENV = "DDP_COMPILE_DIST_BACKEND"
+"""The process-group backend (gloo or nccl) python -m launch hands every rank."""
 MODES = ("train_step", "compile", "eager")
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+_MODEL = GPT_PRESETS["demo"]
+"""The demo's model; TrainConfig's model fields default to it."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,16 +67,16 @@ class TrainConfig:
     """Optimizer steps to run."""
     batch: int = 8
     """Sequences per rank per step."""
-    seq_len: int = 64
-    """Tokens per sequence."""
-    d_model: int = 128
-    """Model width (a multiple of 4: the model uses 4 heads)."""
-    layers: int = 2
+    seq_len: int = _MODEL.max_seq_len
+    """Tokens per sequence (the model's position table covers exactly these)."""
+    d_model: int = _MODEL.d_model
+    """Model width (a multiple of the preset's attention heads)."""
+    layers: int = _MODEL.n_layers
     """Transformer blocks."""
-    vocab: int = 1024
+    vocab: int = _MODEL.vocab_size
     """Vocabulary size of the synthetic tokens."""
     backend: str = "inductor"
-    """torch.compile backend: inductor, aot_eager or eager (Dynamo only)."""
+    """torch.compile backend, one of compile_core.BACKENDS: inductor, aot_eager or eager (Dynamo only)."""
     mode: str = "train_step"
     """train_step (everything compiled), compile (model compiled, eager optimizer) or eager."""
     lr: float = 3e-4
@@ -89,14 +94,23 @@ class TrainConfig:
         for name in ("steps", "batch", "seq_len", "d_model", "layers", "vocab", "checkpoint_every", "warmup_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
-        if self.d_model % 4:
-            raise ValueError(f"--d-model {self.d_model}: must be a multiple of 4 (4 attention heads)")
-        if self.backend not in COMPILE_BACKENDS:
-            raise ValueError(f"--backend {self.backend!r}: choose one of {', '.join(COMPILE_BACKENDS)}")
+        if self.d_model % _MODEL.n_heads:
+            raise ValueError(f"--d-model {self.d_model}: must be a multiple of {_MODEL.n_heads} "
+                             f"({_MODEL.n_heads} attention heads)")
         if self.mode not in MODES:
             raise ValueError(f"--mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.mode != "eager":  # eager compiles nothing and never imports the compile stack (1+ s, Dynamo)
+            from compile_core import BACKENDS
+
+            if self.backend not in BACKENDS:
+                raise ValueError(f"--backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r}: choose one of {', '.join(LOG_LEVELS)}")
+
+    def gpt(self) -> GPTConfig:
+        """The model: the `demo` preset with this config's width, depth, vocabulary and sequence length."""
+        return dataclasses.replace(_MODEL, vocab_size=self.vocab, d_model=self.d_model, n_layers=self.layers,
+                                   max_seq_len=self.seq_len)
 
 
 def parse_args(argv: list[str] | None) -> TrainConfig:
@@ -115,7 +129,7 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes; returns (rank, world size, device)."""
-    backend = os.environ.get(BACKEND_ENV) or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = os.environ.get(DIST_BACKEND_ENV) or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -176,8 +190,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None:
     torch.manual_seed(0)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    gcfg = GPTConfig(vocab_size=cfg.vocab, d_model=cfg.d_model, n_layers=cfg.layers, n_heads=4,
-                     max_seq_len=cfg.seq_len)
+    gcfg = cfg.gpt()
     model = GPT(gcfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(cfg.warmup_steps))

@@ -12,7 +12,7 @@ import glob
 import math
 import os
 import re
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from launch.net import free_port
 
@@ -45,7 +45,7 @@ class LaunchConfig:
     nproc_per_node: int = 2
     """Ranks per node."""
     dist_backend: str = "gloo"
-    """Process-group backend handed to the script (DDP_COMPILE_BACKEND)."""
+    """Process-group backend handed to the script (DDP_COMPILE_DIST_BACKEND)."""
     scheduler: str = "local_cwd"
     """torchx scheduler name."""
     scheduler_cfg: str = ""
@@ -87,6 +87,7 @@ class LaunchConfig:
             raise UsageError(f"--nnodes {self.nnodes!r}: expected N or MIN:MAX with 1 <= MIN <= MAX")
         if self.dist_backend not in ("gloo", "nccl"):
             raise UsageError(f"--dist-backend {self.dist_backend!r}: expected auto, gloo or nccl")
+        _check_renamed_env(dict(self.env), "--env")
         if not 0 < self.rdzv_port < 65536:
             raise UsageError(f"--rdzv-port {self.rdzv_port}: expected a TCP port in 1..65535")
         if self.max_retries < 0:
@@ -157,13 +158,18 @@ def _build_parser() -> _Parser:
     )
     p.add_argument("--nnodes", default=None, help="nodes: N or MIN:MAX (elastic); default 1")
     p.add_argument("--nproc-per-node", default=None, help="ranks per node, or 'auto' (default): GPUs, else 2 on CPU")
-    p.add_argument("-j", dest="j", default=None, help="torchx style [MIN:]NNODESxNPROC, instead of --nnodes/--nproc-per-node")
-    p.add_argument("--dist-backend", default="auto", help="auto (nccl with GPUs, else gloo), gloo or nccl")
+    p.add_argument("-j", dest="j", default=None,
+                   help="torchx style [MIN:]NNODESxNPROC, instead of --nnodes/--nproc-per-node")
+    p.add_argument("--dist-backend", default="auto",
+                   help="auto (nccl with GPUs, else gloo), gloo or nccl; the script reads it from "
+                        "DDP_COMPILE_DIST_BACKEND")
     p.add_argument("--scheduler", "-s", default="local_cwd", help="torchx scheduler (default local_cwd)")
     p.add_argument("--scheduler-cfg", "--cfg", default="", help="scheduler options key=value,key=value")
-    p.add_argument("--dry-run", action="store_true", help="print the torchrun command and scheduler request; run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the torchrun command and scheduler request; run nothing")
     p.add_argument("--log-dir", default=None, help="keep per-rank logs here")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra env for every rank (repeatable)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra env for every rank (repeatable)")
     p.add_argument("--max-retries", type=int, default=0, help="scheduler retries of the whole app")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="torchrun restarts the job up to K times after a rank fails or dies (resume from a checkpoint)")
@@ -171,7 +177,8 @@ def _build_parser() -> _Parser:
                    help="run only this host's node of an --nnodes N job whose rendezvous is at HOST:PORT "
                         "(the same command on every host)")
     p.add_argument("--rdzv-id", default=None, help="rendezvous id shared by the hosts (default from the endpoint)")
-    p.add_argument("--rdzv-port", type=int, default=None, help="rendezvous port for multi-node (default: a free port locally, 29500 remote)")
+    p.add_argument("--rdzv-port", type=int, default=None,
+                   help="rendezvous port for multi-node (default: a free port locally, 29500 remote)")
     p.add_argument("--inductor-cache-dir", default=None,
                    help="per-node Inductor cache, forced to mode 0700 (default: $TORCHINDUCTOR_CACHE_DIR locally, "
                         "else ${TMPDIR:-/tmp}/ddp_compile_inductor_$UID)")
@@ -214,9 +221,19 @@ def _known_schedulers() -> list[str]:
     return sorted(get_scheduler_factories())
 
 
+def _check_renamed_env(env: Mapping[str, str], where: str) -> None:
+    from launch.components import check_renamed_env  # imports torchx: not at module import
+
+    try:
+        check_renamed_env(dict(env), where)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def parse_args(argv: Sequence[str]) -> LaunchConfig:
     """Command line -> validated LaunchConfig; raises UsageError on any bad input."""
     ns = _build_parser().parse_args(list(argv))
+    _check_renamed_env(os.environ, "the environment")
     if ns.j is not None and (ns.nnodes is not None or ns.nproc_per_node is not None):
         raise UsageError("-j replaces --nnodes/--nproc-per-node; pass one or the other")
     nnodes, nproc = ns.nnodes or "1", ns.nproc_per_node or "auto"

@@ -10,7 +10,7 @@ they live in the AppDef itself rather than in the local launcher:
   prelude therefore creates it with mode 0700, refuses one owned by someone else or reached through a
   symlink, and empties and repairs one whose mode was too open (its contents cannot be trusted).
 * ``TORCH_LOGS`` / ``TORCH_TRACE`` (tlparse) knobs, because compile problems are debugged per rank.
-* the process-group backend (``DDP_COMPILE_BACKEND``: nccl on GPU hosts, gloo otherwise) handed to the
+* the process-group backend (``DDP_COMPILE_DIST_BACKEND``: nccl on GPU hosts, gloo otherwise) handed to the
   script through the environment, with ``OMP_NUM_THREADS=1`` for CPU ranks so they do not oversubscribe.
 * ``PATH`` pointing at the submitting interpreter's bin dir: torchx 0.7.0 runs ``torchrun`` by name.
 * optionally (``record``, on by default) the script runs under ``launch.worker``, which wraps it in
@@ -42,7 +42,9 @@ from torchx.components import dist as torchx_dist
 from torchx.components.structured_arg import StructuredNameArgument
 
 # Environment variable through which the script learns the process-group backend to use.
-BACKEND_ENV = "DDP_COMPILE_BACKEND"
+BACKEND_ENV = "DDP_COMPILE_DIST_BACKEND"
+# Earlier names of our variables -> their names now: set anywhere, the old name is an error naming the new one.
+RENAMED_ENV = {"DDP_COMPILE_BACKEND": BACKEND_ENV}
 # Default cache location, expanded by bash on each node (so the uid is the node's, not the submitter's).
 DEFAULT_CACHE_DIR = "${TMPDIR:-/tmp}/ddp_compile_inductor_$(id -u)"
 _BACKENDS = ("auto", "gloo", "nccl")
@@ -97,7 +99,7 @@ def trainer(
         cpu: cpus per node
         gpu: gpus per node; with dist_backend=auto, gpu>0 selects nccl
         memMB: memory per node in MB
-        dist_backend: process-group backend given to the script in DDP_COMPILE_BACKEND: auto, gloo or nccl
+        dist_backend: process-group backend for the script (DDP_COMPILE_DIST_BACKEND): auto, gloo or nccl
         inductor_cache_dir: per-node Inductor cache dir (created 0700); default ${TMPDIR:-/tmp}/ddp_compile_inductor_$UID
         torch_logs: value for TORCH_LOGS on every rank (e.g. +dynamo,graph_breaks,recompiles)
         trace_dir: directory for TORCH_TRACE structured compile traces (read them with tlparse)
@@ -122,6 +124,8 @@ def trainer(
             f"got script={script!r} and m={m!r}: pass exactly one (--script path/to/train.py or -m pkg.module)"
         )
     torchx_dist.parse_nnodes(j)  # raises a ValueError naming the bad -j before anything else is built
+    check_renamed_env(env or {}, "env")
+    check_renamed_env(os.environ, "the environment")
     _check_rdzv(max_restarts, rdzv_endpoint, rdzv_id)
     hang_timeout, hang_first_step_timeout = _check_hang(hang_timeout, hang_first_step_timeout, heartbeat_dir)
     backend = _resolve_backend(dist_backend, gpu=gpu, h=h)
@@ -168,6 +172,17 @@ def trainer(
         command = f"python3 -m launch.watchdog --hang-timeout {hang_timeout!r}{first} -- {command}"
     role.args = ["-c", f"{cache_prelude(inductor_cache_dir, per_node=node_cache_dirs)} && exec {command}"]
     return app
+
+
+def check_renamed_env(env: Dict[str, str], where: str) -> None:
+    """Raise ValueError when `env` sets a variable under a name it no longer has (`RENAMED_ENV`)."""
+    for old, new in RENAMED_ENV.items():
+        if old in env:
+            raise ValueError(
+                f"{old} was renamed to {new}; {old} is set in {where}: unset it. The launcher sets {new} for "
+                "every rank from --dist-backend (python -m launch) or dist_backend= (this component): auto, gloo "
+                "or nccl"
+            )
 
 
 def _check_rdzv(max_restarts: object, rdzv_endpoint: Optional[str], rdzv_id: Optional[str]) -> None:

@@ -45,7 +45,7 @@ def _replay(result: dict, *, ranks: tuple[int, ...], grad_scale: float = 1.0) ->
     from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 
     cfg = result["config"]
-    work = Workload(**cfg["workloads"][0])
+    work = Workload.from_dict(cfg["workloads"][0])
     gpt = GPTConfig(**work.gpt_kwargs())
     torch.manual_seed(cfg["seed"])  # as benchmarks.worker builds the model
     model = GPT(gpt)
@@ -116,7 +116,8 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
     # orders of magnitude outside the tolerance.
     eager = modes["eager"]["param_checksum"]
     assert checksum_distance(_replay(result, ranks=(0, 1)), eager) <= rtol
-    for broken in (_replay(result, ranks=(0,)), _replay(result, ranks=(1,)), _replay(result, ranks=(0, 1), grad_scale=2)):
+    for broken in (_replay(result, ranks=(0,)), _replay(result, ranks=(1,)),
+                   _replay(result, ranks=(0, 1), grad_scale=2)):
         assert checksum_distance(broken, eager) > 1000 * rtol
 
     # Losses still agree (the weaker check the table reports)
@@ -167,7 +168,7 @@ def _check_bracket(result: dict, rtol: float) -> None:
     # they hold every parameter's gradient once
     observed = modes["eager"]["overlap"]["observed_buckets"]
     assert [set(b) for b in comm["info"]["buckets"]] == [set(b) for b in observed]
-    model = GPT(GPTConfig(**Workload(**result["config"]["workloads"][0]).gpt_kwargs()))
+    model = GPT(GPTConfig(**Workload.from_dict(result["config"]["workloads"][0]).gpt_kwargs()))
     assert sum(comm["info"]["bucket_bytes"]) == sum(4 * p.numel() for p in model.parameters())
     assert comm["info"]["wire_dtype"] == str(torch.float32).removeprefix("torch.")
     b = workload["bracket"]
@@ -278,9 +279,10 @@ def test_param_agreement_flags_wrong_modes_ranks_and_jobs():
 
 def test_bad_benchmark_config_is_a_value_error_naming_the_value():
     from benchmarks.config import BenchConfig, Workload
+    from examples.gpt_config import GPTConfig
 
     with pytest.raises(ValueError, match="n_heads=5"):
-        Workload(name="w", d_model=64, n_heads=5)
+        Workload(name="w", model=GPTConfig(d_model=64, n_heads=5))
     with pytest.raises(ValueError, match="'nope'"):
         BenchConfig(workloads=(Workload(name="w"),), modes=("nope",))
     with pytest.raises(ValueError, match="backend='tvm'"):

@@ -29,7 +29,7 @@ RANK_SCRIPT = textwrap.dedent(
     import torch.distributed as dist
     from launch import heartbeat
 
-    backend = os.environ["DDP_COMPILE_BACKEND"]
+    backend = os.environ["DDP_COMPILE_DIST_BACKEND"]
     device = "cpu"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -31,7 +31,7 @@ RANK_SCRIPT = textwrap.dedent(
     import os, sys, time
     import torch.distributed as dist
 
-    backend = os.environ["DDP_COMPILE_BACKEND"]  # set by the launcher: nccl with enough GPUs, else gloo
+    backend = os.environ["DDP_COMPILE_DIST_BACKEND"]  # set by the launcher: nccl with enough GPUs, else gloo
     if backend == "nccl":
         import torch
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per rank
@@ -213,7 +213,7 @@ def test_component_passes_torchx_validation():
     app = component.fn(script="examples/train_gpt.py", j="1:2x4", gpu=4)
     role = app.roles[0]
     assert (role.min_replicas, role.num_replicas, role.name) == (1, 2, "train_gpt")
-    assert role.env["DDP_COMPILE_BACKEND"] == "nccl"
+    assert role.env["DDP_COMPILE_DIST_BACKEND"] == "nccl"
     assert role.env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
     assert "exec torchrun" in role.args[1] and "--nnodes 1:2" in role.args[1]
 

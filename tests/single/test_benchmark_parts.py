@@ -256,19 +256,84 @@ def test_cli_presets_pick_workloads_caps_and_optimizers():
     caps = {w.name: w.cap_mb(full.bucket_cap_mb) for w in full.workloads}
     assert caps == {"compute": None, "comm": 4.0, "compile": 1.0}
     compile_w = full.workloads[2]
-    assert (compile_w.d_model, compile_w.n_layers, compile_w.batch, compile_w.seq_len) == (256, 12, 2, 64)
-    assert 256 % compile_w.n_heads == 0 and not compile_w.scaling and not compile_w.overlap
+    assert (compile_w.model.d_model, compile_w.model.n_layers, compile_w.batch, compile_w.seq_len) == (256, 12, 2, 64)
+    assert 256 % compile_w.model.n_heads == 0 and not compile_w.scaling and not compile_w.overlap
     assert full.optimizer == "adamw" and full.warmup == 3 and full.profile_steps == 2 and full.plot
     smoke = _cfg("--smoke")
     assert smoke.optimizer == "sgd" and smoke.backend == "aot_eager" and smoke.profile_steps == 1
-    assert all(w.cap_mb(smoke.bucket_cap_mb) == 1.0 and w.d_model == 128 for w in smoke.workloads)
+    assert all(w.cap_mb(smoke.bucket_cap_mb) == 1.0 and w.model.d_model == 128 for w in smoke.workloads)
     # --bucket-cap-mb sets every workload's cap; --no-plot and --optimizer go through
     custom = _cfg("--bucket-cap-mb", "2", "--workloads", "comm,compile", "--optimizer", "sgd", "--no-plot")
     assert [w.cap_mb(None) for w in custom.workloads] == [2.0, 2.0] and custom.optimizer == "sgd" and not custom.plot
     quick = _cfg("--quick", "--workloads", "compile")
-    assert quick.workloads[0].n_layers == 12  # the compile workload keeps its shape outside smoke
+    assert quick.workloads[0].model.n_layers == 12  # the compile workload keeps its shape outside smoke
     with pytest.raises(ValueError, match="'nope'.*compute,comm,compile"):
         _cfg("--workloads", "comm,nope")
+
+
+# Parameter counts of the models each preset built when every caller still declared its own shape
+# (examples/train_gpt.py, the integration examples, benchmarks/config.py): the presets must build the same.
+PARAMS_BEFORE_PRESETS = {
+    ("full", "compute"): 13_842_432, ("full", "comm"): 13_817_856, ("full", "compile"): 11_591_168,
+    ("quick", "compute"): 929_280, ("quick", "comm"): 925_184, ("quick", "compile"): 11_591_168,
+    ("smoke", "compute"): 929_280, ("smoke", "comm"): 925_184, ("smoke", "compile"): 929_280,
+}
+
+
+def _n_params(gpt_cfg) -> int:
+    import torch
+
+    from examples.gpt import GPT
+
+    with torch.device("meta"):  # shapes only: no memory, no init time
+        return sum(p.numel() for p in GPT(gpt_cfg).parameters())
+
+
+def test_workloads_and_examples_build_the_models_they_built_before_the_presets():
+    import dataclasses
+
+    import examples.train_gpt as demo
+    from benchmarks.suite import _worker_spec
+    from examples.gpt import GPT_PRESETS, GPTConfig
+
+    for preset, argv in (("full", ()), ("quick", ("--quick", "--workloads", "compute,comm,compile")),
+                         ("smoke", ("--smoke",))):
+        cfg = _cfg(*argv)
+        for w in cfg.workloads:
+            spec = _worker_spec(cfg, w, "eager", steps=1, record_overlap=False, timeline_png=None)
+            assert spec["gpt"]["max_seq_len"] == w.seq_len  # the position table covers the workload's tokens
+            assert _n_params(GPTConfig(**spec["gpt"])) == PARAMS_BEFORE_PRESETS[preset, w.name], (preset, w.name)
+    assert _n_params(demo.TrainConfig().gpt()) == 667_136
+    assert demo.TrainConfig().gpt() == GPT_PRESETS["demo"]
+    assert _n_params(GPT_PRESETS["integration"]) == 168_512
+    # the command-line overrides replace fields of the preset and are validated as GPTConfig
+    custom = _cfg("--d-model", "64", "--heads", "2", "--layers", "3", "--vocab", "100").workloads[0].model
+    assert custom == dataclasses.replace(GPT_PRESETS["bench"], d_model=64, n_heads=2, n_layers=3, vocab_size=100)
+    with pytest.raises(ValueError, match="--d-model/--layers/--heads/--vocab: .*d_model=64 .*n_heads=5"):
+        _cfg("--d-model", "64", "--heads", "5")
+    with pytest.raises(ValueError, match="GPT preset 'huge' is unknown; choose one of bench, "):
+        GPTConfig.preset("huge")
+    with pytest.raises(SystemExit):  # argparse: the message names the flag
+        demo.parse_args(["--d-model", "130"])
+
+
+def test_workloads_read_back_from_results_json_old_and_new():
+    import dataclasses
+
+    from benchmarks.config import BenchConfig, Workload, full_workloads
+    from examples.gpt import GPT_PRESETS
+
+    cfg = BenchConfig(workloads=full_workloads())
+    recorded = json.loads(json.dumps(cfg.to_dict()))
+    assert tuple(Workload.from_dict(w) for w in recorded["workloads"]) == cfg.workloads
+    # runs before the presets recorded the model's shape flat in each workload
+    old = {"name": "comm", "vocab_size": 4096, "d_model": 384, "n_layers": 6, "n_heads": 6, "batch": 2, "seq_len": 64,
+           "bucket_cap_mb": 4.0, "scaling": True, "overlap": True, "purpose": "p"}
+    w = Workload.from_dict(old)
+    assert w.model == GPT_PRESETS["bench"] and (w.batch, w.seq_len, w.bucket_cap_mb) == (2, 64, 4.0)
+    assert w.gpt() == dataclasses.replace(GPT_PRESETS["bench"], max_seq_len=64)
+    with pytest.raises(TypeError, match="pass a GPTConfig"):
+        Workload(name="w", model={"d_model": 64})
 
 
 def test_plan_gives_the_compile_workload_no_extra_jobs_and_workloads_their_caps(tmp_path):
@@ -400,7 +465,8 @@ def test_bracket_gives_every_other_finished_mode_its_overhead_and_comm_hidden():
     assert eager["comm_hidden"] == pytest.approx(0.2) and eager["clamped"] is None
     assert b["modes"]["ours_step"]["comm_hidden"] == pytest.approx(0.8)
     savvy = b["modes"]["torch_savvy"]
-    assert (savvy["comm_hidden"], savvy["clamped"]) == (0.0, "below") and savvy["comm_hidden_raw"] == pytest.approx(-1.0)
+    assert (savvy["comm_hidden"], savvy["clamped"]) == (0.0, "below")
+    assert savvy["comm_hidden_raw"] == pytest.approx(-1.0)
 
 
 def test_bracket_without_comm_only_still_gives_overhead_and_says_what_is_missing():
@@ -465,14 +531,16 @@ def test_the_gates_exempt_the_bracket_modes_and_the_tables_label_them():
     still = _fingerprint({"w": [0.0, 0.0, 0.0]})  # comm_only: trains nothing
     modes = {"floor": {**_fingerprinted(own, loss=2.4, ranks=0.5), "step_ms": 90.0},
              "comm_only": {**_fingerprinted(still, loss=0.0), "step_ms": 20.0},
-             "eager": {**_fingerprinted(good), "step_ms": 100.0}, "ours_step": {**_fingerprinted(good), "step_ms": 95.0}}
+             "eager": {**_fingerprinted(good), "step_ms": 100.0},
+             "ours_step": {**_fingerprinted(good), "step_ms": 95.0}}
     loss = loss_agreement(modes, rtol=1e-3, atol=1e-4)
     params = param_agreement(modes, rtol=1e-5)
     assert loss["ok"] and params["ok"] and loss["exempt"] == params["exempt"] == ["floor", "comm_only"]
     assert set(params["distance"]) == {"eager", "ours_step"}
     # without the exemption the same data fails both gates: the exemption is what lets it pass
     gated = {"eager": modes["eager"], "floor_like": modes["floor"]}
-    assert loss_agreement(gated, rtol=1e-3, atol=1e-4)["ok"] is False and param_agreement(gated, rtol=1e-5)["ok"] is False
+    assert loss_agreement(gated, rtol=1e-3, atol=1e-4)["ok"] is False
+    assert param_agreement(gated, rtol=1e-5)["ok"] is False
 
     for a in modes.values():
         a.update(step_ms_min=a["step_ms"], step_ms_max=a["step_ms"], pieces=None, first_step_s_warm=1.0,

@@ -56,6 +56,24 @@ def test_component_rejects_bad_arguments_with_the_fix():
         trainer(script="a.py", j="2y")
 
 
+def test_the_renamed_backend_variable_is_refused_wherever_it_is_set(monkeypatch, tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    renamed = "DDP_COMPILE_BACKEND was renamed to DDP_COMPILE_DIST_BACKEND"
+    with pytest.raises(launch_args.UsageError, match=renamed + ".*--env"):
+        cli.parse_args(["--env", "DDP_COMPILE_BACKEND=gloo", str(script)])
+    with pytest.raises(ValueError, match=renamed + ".*in env"):
+        trainer(script="a.py", env={"DDP_COMPILE_BACKEND": "gloo"})
+    monkeypatch.setenv("DDP_COMPILE_BACKEND", "gloo")
+    with pytest.raises(launch_args.UsageError, match=renamed + ".*the environment.*--dist-backend"):
+        cli.parse_args([str(script)])
+    with pytest.raises(ValueError, match=renamed):
+        trainer(script="a.py")
+    assert cli.main([str(script)]) == launch_args.USAGE_EXIT  # one line, exit 2, nothing started
+    monkeypatch.delenv("DDP_COMPILE_BACKEND")
+    assert trainer(script="a.py").roles[0].env["DDP_COMPILE_DIST_BACKEND"] == "gloo"
+
+
 def _prelude(cache: Path) -> subprocess.CompletedProcess:
     script = cache_prelude(str(cache)) + ' && echo "CACHE=$TORCHINDUCTOR_CACHE_DIR"'
     return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
