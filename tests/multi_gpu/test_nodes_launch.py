@@ -44,10 +44,9 @@ DEMO_WITH_KILL = textwrap.dedent(
     demo.main()
     """
 )
-# --mode compile (compiled model, eager AdamW): bit-identical parameters are expected. train_step's
-# compiled update is not bit-identical across a restart: its first update after any start runs eagerly
-# (docs/launch.md, "Restarts").
-TINY = ["--mode", "compile", "--backend", "aot_eager", "--steps", "10", "--checkpoint-every", "3",
+# Both modes end bit-identical to an uninterrupted run: `--mode compile` (compiled model, eager AdamW)
+# and `--mode train_step` (compiled update: a resumed run compiles update 1 too, docs/launch.md, "Restarts").
+TINY = ["--backend", "aot_eager", "--steps", "10", "--checkpoint-every", "3",
         "--d-model", "32", "--layers", "1", "--vocab", "64", "--seq-len", "16", "--batch", "2", "--log-level", "WARNING"]
 TWO_NODES = ["--nnodes", "2", "--nproc-per-node", "1"]
 
@@ -67,21 +66,22 @@ def job(tmp_path):
         j.assert_nothing_left()
 
 
-def run_demo(j: LaunchJob, kill_at: str):
+def run_demo(j: LaunchJob, kill_at: str, mode: str):
     ckpt = j.workdir / "ckpt"
     res, _ = j.run(*TWO_NODES, "--max-restarts", "2", "--inductor-cache-dir", str(j.workdir / "cache"),
-                   env={"KILL_AT": kill_at}, timeout=240, script_args=(*TINY, "--checkpoint-dir", str(ckpt)))
+                   env={"KILL_AT": kill_at}, timeout=240, script_args=("--mode", mode, *TINY, "--checkpoint-dir", str(ckpt)))
     final = ckpt / "step_00000010.pt"
     return res, torch.load(final, weights_only=True) if final.exists() else None
 
 
 @pytest.mark.timeout(300)
-def test_a_sigkilled_rank_on_node_1_is_survived_with_the_parameters_of_an_uninterrupted_run(job):
+@pytest.mark.parametrize("mode", ["compile", "train_step"])
+def test_a_sigkilled_rank_on_node_1_is_survived_with_the_parameters_of_an_uninterrupted_run(job, mode):
     straight = job("nodes_straight", DEMO_WITH_KILL)
     killed = job("nodes_killed", DEMO_WITH_KILL)
-    ref_res, ref = run_demo(straight, "9:99")
+    ref_res, ref = run_demo(straight, "9:99", mode)
     assert ref_res.returncode == 0, ref_res.stderr[-3000:]
-    res, final = run_demo(killed, "1:5")
+    res, final = run_demo(killed, "1:5", mode)
     assert res.returncode == 0, res.stderr[-3000:]
 
     # Each node is a node of its own: LOCAL_RANK 0 on both, its own cache dir.
