@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ddp.overlap.intervals import OverlapStats, overlap_stats
+from ddp.torch_ddp import functional_all_reduce_sum
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,11 +193,9 @@ class OverlapRecorder:
         """DDP's python reducer (optimize_ddp="python_reducer") calls hooks per parameter under compiled
         autograd: there are no buckets to time, so do exactly what DDP does without a hook and record nothing.
         """
-        import torch.distributed._functional_collectives as fcol
-
         self.bypassed = True
         group = self._group if self._group is not None else dist.group.WORLD
-        grad.copy_(fcol.all_reduce(grad / self._world_size(), "sum", group))
+        grad.copy_(functional_all_reduce_sum(grad / self._world_size(), group))
 
     def _record_done(self, step: int, *, bucket_index: int, when: float) -> None:
         with self._lock:
