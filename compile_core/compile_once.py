@@ -64,7 +64,7 @@ from aot.torch_dynamo_cache import AotCache
 from compile_core.piece_records import Compiled, Job, PieceRecord, Wait
 from ddp import torch_ddp
 from ddp.agreement import env_seconds
-from inductor.claims import CompileClaims, Holder
+from inductor.claims import CompileClaims, Holder, WaitEnd
 from inductor.store_claims import StoreClaims
 from inductor.torch_inductor import cache_dir
 from launch.heartbeat import beat
@@ -182,9 +182,9 @@ class CompileOnce:
         if wait is not None:
             record.waited_for = wait.holder.describe() if wait.holder is not None else "another process"
             record.leader, record.waited_s, record.received_bytes = wait.outcome, wait.seconds, wait.received_bytes
-            if wait.outcome == "done" and hit:
+            if wait.end is WaitEnd.DONE and hit:
                 record.source = f"from {wait.holder.who}" if wait.holder is not None else "from another process"
-            elif wait.outcome == "done":
+            elif wait.end is WaitEnd.DONE:
                 log.warning("compile_core: rank %d: %s's compile of %s is not a cache hit here (its cache key "
                             "differs: a rank-specific value such as the device index); compiled it here",
                             _rank()[0], record.waited_for, job.name)
@@ -231,7 +231,7 @@ class CompileOnce:
 
             claim, raw = claims.wait_claim(keys[i], on_wait=waiting)
             wait = Wait.of(raw)
-            if wait.outcome != "done":
+            if wait.end is not WaitEnd.DONE:
                 log.warning("compile_core: rank %d: %s %s %s after %.1f s; compiling it here", rank,
                             wait.holder.describe() if wait.holder else "the holder", wait.outcome, job.name,
                             wait.seconds)

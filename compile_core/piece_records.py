@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from aot import GraphPair
 from aot.torch_dynamo_cache import AotCache, CacheOutcome
-from inductor.claims import Holder
+from inductor.claims import Holder, WaitEnd
 
 
 @dataclasses.dataclass
@@ -76,14 +76,17 @@ class Wait:
     """How waiting for another rank's claim ended, whichever kind of claim it was."""
 
     holder: Holder | None
+    end: WaitEnd | None
+    """How it ended (decisions read this)."""
     outcome: str
+    """The same, for people: done, failed: <why>, died, or timed out."""
     seconds: float
     received_bytes: int = 0
     meta: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, wait: Any) -> Wait:
-        return cls(holder=wait.holder, outcome=wait.outcome, seconds=wait.seconds,
+        return cls(holder=wait.holder, end=wait.end, outcome=wait.outcome, seconds=wait.seconds,
                    received_bytes=getattr(wait, "installed_bytes", 0), meta=getattr(wait, "meta", {}))
 
 
