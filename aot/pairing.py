@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
+from aot.torch_dynamo import saved_count
+
 Compiler = Callable[[fx.GraphModule, list], Callable[..., Any]]
 
 
@@ -92,8 +94,7 @@ def _ops(graph: fx.GraphModule) -> int:
 
 
 def _count_saved(backward: fx.GraphModule) -> int:
-    # The backward's inputs are the saved values followed by the incoming gradients ("tangents").
-    return sum(1 for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+    return saved_count(backward.graph)
 
 
 def recording_compilers(pair: GraphPair, fw_compiler: Compiler, bw_compiler: Compiler) -> tuple[Compiler, Compiler]:

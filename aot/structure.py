@@ -33,6 +33,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from aot.torch_dynamo import is_op_overload
+
 _META_KEYS = ("recompute", "partitioner_tag")
 """Node metadata that changes the partition or the code (selective activation checkpointing)."""
 
@@ -102,7 +104,7 @@ def _attr(gm: fx.GraphModule, dotted: str) -> Any:
 
 
 def _callable_name(fn: Any) -> str:
-    if type(fn).__module__ == "torch._ops":  # aten/prims overloads name themselves: "aten.add.Tensor"
+    if is_op_overload(fn):  # aten/prims overloads name themselves: "aten.add.Tensor"
         return str(fn)
     module = getattr(fn, "__module__", None)
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)

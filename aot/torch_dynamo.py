@@ -4,17 +4,19 @@ The layers above (`ddp`, `compile_core`) reach Dynamo's and AOTAutograd's intern
 these functions. Each says which torch 2.13 file it mirrors; `tests/single/test_torch_internals.py`
 has one canary per function, failing with a message that names the function when torch changes.
 Public routes (`torch.compile`, `torch.compiler.reset`, `functorch.compile`) are used where torch
-2.13 has one; what is here has none.
+2.13 has one; what is here has none. What the compile caches did is watched in
+`aot/torch_dynamo_cache.py` (re-exported here).
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from aot.torch_dynamo_cache import AotCache, CacheOutcome, watch_caches  # noqa: F401 - the caches' home, re-exported
 
 RestartAnalysis = torch._dynamo.exc.RestartAnalysis
 """Dynamo's own control flow (`_dynamo/exc.py`): "trace this frame again"; never a compile failure."""
@@ -23,19 +25,27 @@ DynamoError = torch._dynamo.exc.TorchDynamoException
 """Base of every error Dynamo raises while capturing or compiling (`_dynamo/exc.py`)."""
 
 
-def root_cause(err: BaseException, kind: type) -> BaseException | None:
-    """The first exception of type `kind` inside `err`'s chain of causes.
+def cause_chain(err: BaseException) -> list[BaseException]:
+    """`err`, then what caused it, and so on: the last entry is the root cause.
 
-    Dynamo wraps what a backend raises in `BackendCompilerFailed` (`inner_exception`,
-    `_dynamo/exc.py`); an error we raise on purpose inside our backend should reach the user as is.
+    Dynamo wraps what a backend raises in `BackendCompilerFailed` and keeps it in `inner_exception`
+    (`_dynamo/exc.py`), besides Python's own `__cause__`.
     """
+    chain: list[BaseException] = []
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, kind):
-            return err
+        chain.append(err)
         seen.add(id(err))
         err = getattr(err, "inner_exception", None) or err.__cause__
-    return None
+    return chain
+
+
+def root_cause(err: BaseException, kind: type) -> BaseException | None:
+    """The first exception of type `kind` inside `err`'s chain of causes (`cause_chain`).
+
+    An error we raise on purpose inside our backend should reach the user as is.
+    """
+    return next((e for e in cause_chain(err) if isinstance(e, kind)), None)
 
 
 def compile_with_guard_hook(
@@ -120,94 +130,44 @@ def non_lazy_backward() -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
 
 
-_AOT_CACHE_LOGGER = "torch._functorch._aot_autograd.autograd_cache"
-"""Where AOTAutogradCache says why it bypassed (`_aot_autograd/autograd_cache.py`, `log`)."""
+def installed_compiled_call(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """What `module.compile()` installed as the module's call (None: the module is not compiled).
 
-
-@dataclasses.dataclass
-class CacheOutcome:
-    """What the compile caches did during one compile (see `watch_caches`)."""
-
-    aot: str = ""
-    """AOTAutogradCache: "hit", "miss", "bypass", or "" when it was not consulted (aot_eager)."""
-    fx_hits: int = 0
-    """Inductor FX graph cache hits (a forward and a backward loaded from an AOT entry count too)."""
-    fx_misses: int = 0
-    """Inductor FX graph cache misses (graphs lowered and generated)."""
-    fx_bypasses: int = 0
-    """Graphs Inductor could not cache."""
-    reason: str | None = None
-    """Why AOTAutogradCache bypassed, in its own words."""
-
-    @property
-    def traced(self) -> bool:
-        """Whether AOTAutograd traced the graph (everything but an AOT cache hit)."""
-        return self.aot != "hit"
-
-    def describe(self) -> str:
-        """`aot cache hit`, `aot cache miss, fx cache 1 hit 1 miss`, `aot cache bypass (reason)`."""
-        if not self.aot and not (self.fx_hits or self.fx_misses or self.fx_bypasses):
-            return "no disk cache"
-        parts = [f"aot cache {self.aot or 'not used'}" + (f" ({self.reason})" if self.reason else "")]
-        if self.aot != "hit":
-            fx = [f"{n} {word}" for n, word in ((self.fx_hits, "hit"), (self.fx_misses, "miss"), (self.fx_bypasses, "bypass")) if n]
-            if fx:
-                parts.append("fx cache " + " ".join(fx))
-        return ", ".join(parts)
-
-
-class _BypassReasons(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.reasons: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.startswith("Bypassing autograd cache due to:"):
-            self.reasons.append(message.split(":", 1)[1].strip().splitlines()[0][:300])
-
-
-@contextlib.contextmanager
-def watch_caches() -> Iterator[CacheOutcome]:
-    """The cache outcome of the compile inside the block, from Dynamo's counters.
-
-    Mirrors `torch._dynamo.utils.counters["aot_autograd"]` (`autograd_cache_hit/miss/bypass`,
-    `_aot_autograd/autograd_cache.py`) and `counters["inductor"]` (`fxgraph_cache_*`,
-    `_inductor/codecache.py`). The bypass reason is read off AOTAutogradCache's INFO log line; when
-    that logger is not already enabled for INFO, its records go only to us meanwhile.
+    Mirrors `nn.Module._compiled_call_impl` (`torch/nn/modules/module.py`): `Module.compile()` stores
+    the compiled `_call_impl` there and `Module.__call__` (`_wrapped_call_impl`) runs it instead.
     """
-    from torch._dynamo.utils import counters
+    return getattr(module, "_compiled_call_impl", None)
 
-    aot_before = dict(counters["aot_autograd"])
-    fx_before = dict(counters["inductor"])
-    logger = logging.getLogger(_AOT_CACHE_LOGGER)
-    handler = _BypassReasons()
-    saved = (logger.level, logger.propagate)
-    if not logger.isEnabledFor(logging.INFO):
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-    logger.addHandler(handler)
-    outcome = CacheOutcome()
-    try:
-        yield outcome
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
 
-        def delta(table: Any, before: dict, key: str) -> int:
-            return table.get(key, 0) - before.get(key, 0)
+def install_compiled_call(module: torch.nn.Module, fn: Callable[..., Any]) -> None:
+    """Make every call of `module` run `fn`, as `module.compile()` does (see `installed_compiled_call`)."""
+    module._compiled_call_impl = fn
 
-        aot = counters["aot_autograd"]
-        for state in ("hit", "miss", "bypass"):  # one AOT compile per watch: at most one of these
-            if delta(aot, aot_before, f"autograd_cache_{state}"):
-                outcome.aot = state
-        fx = counters["inductor"]
-        outcome.fx_hits = delta(fx, fx_before, "fxgraph_cache_hit")
-        outcome.fx_misses = delta(fx, fx_before, "fxgraph_cache_miss")
-        outcome.fx_bypasses = delta(fx, fx_before, "fxgraph_cache_bypass")
-        if outcome.aot == "bypass" and handler.reasons:
-            outcome.reason = handler.reasons[-1]
+
+def call_uncompiled(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call `module` the way `nn.Module.__call__` does without a compiled call: hooks, then `forward`.
+
+    Mirrors `nn.Module._call_impl` (`torch/nn/modules/module.py`). Dynamo traces through it (and
+    inlines torch.nn code, `nn.Sequential` included) when called from a frame it compiles.
+    """
+    return module._call_impl(*args, **kwargs)
+
+
+def is_op_overload(fn: Any) -> bool:
+    """True for an ATen/prims operator (`torch.ops.aten.add.Tensor` or `torch.ops.aten.add`).
+
+    Mirrors `OpOverload` / `OpOverloadPacket` (`torch/_ops.py`): they name themselves stably
+    (`str(op)` is `aten.add.Tensor`), unlike other callables.
+    """
+    return isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def tree_leaves(value: Any) -> list[Any]:
+    """The leaves of a nested container of tensors (lists, tuples, dicts, dataclasses torch knows).
+
+    Mirrors `torch.utils._pytree.tree_leaves`, the flattening Dynamo and AOTAutograd use for outputs.
+    """
+    return pytree.tree_leaves(value)
 
 
 def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:
@@ -305,6 +265,15 @@ def with_extra_inputs(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     return copy
 
 
+def saved_count(backward: fx.Graph) -> int:
+    """How many values the forward saved for `backward`: its placeholders before the incoming gradients.
+
+    Mirrors AOTAutograd's partitioned backward (`_functorch/partitioners.py`): its inputs are the
+    saved values, then the incoming gradients, named `tangents_<i>`.
+    """
+    return sum(1 for n in backward.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+
+
 def save_for_backward(forward: fx.GraphModule, backward: fx.GraphModule, fw_node: fx.Node) -> fx.Node:
     """Make the partitioned `forward` save `fw_node` for `backward`; return its placeholder there.
 
@@ -317,7 +286,7 @@ def save_for_backward(forward: fx.GraphModule, backward: fx.GraphModule, fw_node
     fw_out = next(n for n in forward.graph.nodes if n.op == "output")
     outputs = list(fw_out.args[0])
     bw_placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
-    n_saved = len(bw_placeholders) - sum(1 for n in bw_placeholders if n.name.startswith("tangents"))
+    n_saved = saved_count(backward.graph)
     saved = outputs[len(outputs) - n_saved:]
     for value, placeholder in zip(saved, bw_placeholders):
         if value is fw_node:
@@ -408,6 +377,4 @@ def param_edges(node: Any) -> list[tuple[int, torch.Tensor]]:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    import torch.utils._pytree as pytree
-
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]

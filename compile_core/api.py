@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import DynamoError, root_cause
+from aot.torch_dynamo import DynamoError, call_uncompiled, install_compiled_call, installed_compiled_call, root_cause
 from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents
 from compile_core.modes import ModeContext, make_mode
@@ -72,7 +72,7 @@ class CompiledModel:
         self._config = config
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         inner = model.module if self._ddp is not None else model
-        if getattr(inner, "_compiled_call_impl", None) is not None:
+        if installed_compiled_call(inner) is not None:
             raise ValueError(
                 f"{type(inner).__name__} is already compiled (module.compile() or compile_core.compile); "
                 "compile each module once"
@@ -95,7 +95,7 @@ class CompiledModel:
             _entry_for(inner), self._mode.backend, fullgraph=config.fullgraph, dynamic=config.dynamic,
             on_compiled=self._graph_compiled,
         )
-        inner._compiled_call_impl = self._run_inner
+        install_compiled_call(inner, self._run_inner)
         # Run around DDP's own forward, however the model is called (through us or directly).
         model.register_forward_pre_hook(self._before_forward)
         self._mode.install(model, inner, self._events)
@@ -203,6 +203,6 @@ class CompiledModel:
 def _entry_for(inner: torch.nn.Module) -> Callable[..., Any]:
     # Our own frame, so Dynamo traces it (and inlines torch.nn code, nn.Sequential included).
     def compiled_entry(*args: Any, **kwargs: Any) -> Any:
-        return inner._call_impl(*args, **kwargs)
+        return call_uncompiled(inner, *args, **kwargs)
 
     return compiled_entry

@@ -140,7 +140,7 @@ class CompileEvents:
             yield
         finally:
             new = [
-                {"reason": reason.strip().splitlines()[0] + _debug_context(reason)}
+                {"reason": _first_line(reason)}
                 for reason, count in break_counters().items()
                 if count > before.get(reason, 0)
             ]
@@ -164,7 +164,7 @@ class CompileEvents:
             after = break_counters()
             if after != before and len(self.graph_breaks) == recorded:
                 new = [
-                    {"reason": reason.strip().splitlines()[0] + _debug_context(reason),
+                    {"reason": _first_line(reason),
                      "where": "(no graph: Dynamo ran the frame eagerly)"}
                     for reason, count in after.items() if count > before.get(reason, 0)
                 ]
@@ -181,9 +181,8 @@ class CompileEvents:
                 self.recompiles.append({"reason": "; ".join(reasons), "where": pending[0][1], **self.label})
 
 
-def _debug_context(reason: str) -> str:
-    # Dynamo's first line says what kind of break it was; the debug context says where/what exactly.
-    for line in reason.splitlines():
-        if "Developer debug context:" in line:
-            return " (" + line.split("Developer debug context:", 1)[1].strip()[:200] + ")"
-    return ""
+def _first_line(message: str) -> str:
+    # Dynamo's message starts with the kind of break (its `gb_type`); the rest (explanation, hints,
+    # developer context) is text for people that torch keeps in no field of its own: not parsed here.
+    lines = message.strip().splitlines()
+    return lines[0] if lines else message

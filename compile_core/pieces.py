@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from aot import GraphPair, aot_compile, nop_compiler
-from aot.torch_dynamo import CacheOutcome, RestartAnalysis, non_lazy_backward, watch_caches
+from aot.torch_dynamo import RestartAnalysis, non_lazy_backward
+from aot.torch_dynamo_cache import CacheOutcome, watch_caches
 from compile_core.reuse.compile_once import CompileOnce, Compiled, Job
 from compile_core.config import CompileConfig
 from compile_core.report import CompileLog

@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 from aot import GraphPair
+from aot.torch_dynamo_cache import AotCache
 from compile_core.events import CompileEvents
 from ddp.bucketing import MiB
 
@@ -104,7 +105,8 @@ class CompileReport:
     """ddp='in_graph' only: who reduces (compiled backward or DDP's reducer, and why), the comm hook
     and wire dtype, parameters reduced after the backward, graphs whose collectives fell back."""
     piece_compiles: list[dict] = dataclasses.field(default_factory=list)
-    """One per graph or piece: `name`, `key`, `cache` (reused, or the cache outcome), `seconds`,
+    """One per graph or piece: `name`, `key`, `cache` (reused, or the cache outcome, for people),
+    `aot_cache` (its kind: hit, miss, bypass, or "" when AOTAutogradCache was not used), `seconds`,
     `backend`, `reused_from`, and for a piece another rank held: `waited_s`, `waited_for`, `leader`
     (compile_core/reuse/compile_once.py)."""
 
@@ -112,7 +114,7 @@ class CompileReport:
         """Totals over `piece_compiles`: pieces, compiled here, loaded from the cache, reused."""
         rows = self.piece_compiles
         reused = sum(1 for r in rows if r["reused_from"] is not None)
-        hits = sum(1 for r in rows if r["cache"].startswith("aot cache hit"))
+        hits = sum(1 for r in rows if r["aot_cache"] == AotCache.HIT.value)
         return {
             "pieces": len(rows),
             "reused": reused,

@@ -1,4 +1,5 @@
-"""Every private piece of `DistributedDataParallel` this project relies on, in one place.
+"""Every private piece of `DistributedDataParallel` this project relies on, and the private functional
+collectives the in-graph all-reduce issues, in one place.
 
 A torch upgrade that renames or reshapes one of these breaks us here and nowhere else, and
 `tests/single/test_torch_internals.py` has one canary per function that fails with a message naming
@@ -252,3 +253,25 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     `Variable._execution_engine.queue_callback`.
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def functional_all_reduce_ops() -> tuple[Any, Any]:
+    """(all_reduce, wait_tensor): the functional collective ops an FX graph can hold.
+
+    Mirrors `torch.ops._c10d_functional.all_reduce.default(tensor, reduce_op, group_name)` and
+    `wait_tensor.default(tensor)` (`torch/csrc/distributed/c10d/Functional.cpp`, registered by
+    `torch/distributed/_functional_collectives.py`), which Inductor lowers and schedules like any op.
+    """
+    ops = torch.ops._c10d_functional
+    return ops.all_reduce.default, ops.wait_tensor.default
+
+
+def functional_all_reduce_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of `tensor` over `group`, as a new (lazily waited) tensor; `tensor` is left alone.
+
+    Mirrors `torch.distributed._functional_collectives.all_reduce(tensor, "sum", group)`, what DDP's
+    python reducer issues per gradient under compiled autograd (`distributed.py`).
+    """
+    import torch.distributed._functional_collectives as fcol
+
+    return fcol.all_reduce(tensor, "sum", group)

@@ -8,7 +8,8 @@ side (AOTAutograd tracing, lowering, code generation) is repeated by every proce
 the same graph. A process that finds a graph in the cache instead loads it in a fraction of the time.
 
 Algorithm: a claim is an exclusive `flock` on `<cache dir>/ddp_compile/claims/<key>.lock`, plus a
-small state file next to it saying who holds it and how it went (compiling, done, failed: why).
+small state file next to it saying who holds it and how it went (`ClaimState`: compiling, done,
+failed, with the error).
   * `try_claim(key)` never waits: the caller compiles what it could claim first, and comes back to
     the rest later, so two processes work on different graphs at the same time;
   * `wait_claim(key)` waits for the holder, at most `timeout_s`, polling the lock. The lock is
@@ -31,12 +32,44 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import fcntl
 import json
 import os
 import socket
 import time
-from typing import Callable
+from typing import Any, Callable
+
+
+class ClaimState(enum.Enum):
+    """What a claim's holder last said about it (decisions read this; `Holder.state` is for people)."""
+
+    COMPILING = "compiling"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class WaitEnd(enum.Enum):
+    """How waiting for a claim's holder ended (decisions read this; `Wait.outcome` is for people)."""
+
+    DONE = "done"
+    """The holder compiled it: load it (a cache hit)."""
+    FAILED = "failed"
+    """The holder's compile failed (the error says why)."""
+    DIED = "died"
+    """The holder went away while compiling."""
+    TIMED_OUT = "timed out"
+
+
+def _failed_text(error: str) -> str:
+    return f"failed: {error}"[:300]
+
+
+def wait_text(end: WaitEnd | None, error: str) -> str:
+    """done, failed: <why>, died, or timed out; "" before the wait ended."""
+    if end is None:
+        return ""
+    return _failed_text(error) if end is WaitEnd.FAILED else end.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +80,28 @@ class Holder:
     """The holder's own name for itself (`rank 0`)."""
     pid: int
     host: str
-    state: str
-    """compiling, done, or failed: <why>."""
+    kind: ClaimState
+    error: str = ""
+    """Why its compile failed (FAILED only), for people."""
+
+    @property
+    def state(self) -> str:
+        """compiling, done, or failed: <why> (for people)."""
+        return _failed_text(self.error) if self.kind is ClaimState.FAILED else self.kind.value
 
     def describe(self) -> str:
         return f"{self.who} (pid {self.pid})"
+
+    @classmethod
+    def from_record(cls, who: str, data: dict[str, Any]) -> Holder:
+        """From a state record (`state_record`); KeyError/ValueError/TypeError when it is not one."""
+        return cls(who=who, pid=int(data["pid"]), host=str(data["host"]), kind=ClaimState(data["state"]),
+                   error=str(data.get("error", "")))
+
+
+def state_record(kind: ClaimState, error: str = "") -> dict[str, Any]:
+    """The JSON-ready state a claim holder publishes: its kind, and the error when it failed."""
+    return {"state": kind.value, **({"error": error[:300]} if kind is ClaimState.FAILED else {})}
 
 
 @dataclasses.dataclass
@@ -62,8 +112,15 @@ class Wait:
     """Time spent waiting."""
     holder: Holder | None = None
     """Who held the claim when the wait started (None: nobody said)."""
-    outcome: str = ""
-    """done (the holder compiled it), failed: <why>, died (released while compiling), or timed out."""
+    end: WaitEnd | None = None
+    """How the wait ended (None: it did not wait)."""
+    error: str = ""
+    """Why the holder failed (FAILED), for people."""
+
+    @property
+    def outcome(self) -> str:
+        """done (the holder compiled it), failed: <why>, died (released while compiling), or timed out."""
+        return wait_text(self.end, self.error)
 
 
 class Claim:
@@ -81,10 +138,10 @@ class Claim:
         return contextlib.nullcontext()
 
     def done(self, meta: dict | None = None) -> None:
-        self._claims._write_state(self.key, "done")
+        self._claims._write_state(self.key, ClaimState.DONE)
 
     def failed(self, error: str) -> None:
-        self._claims._write_state(self.key, f"failed: {error}"[:300])
+        self._claims._write_state(self.key, ClaimState.FAILED, error)
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -114,7 +171,7 @@ class CompileClaims:
             os.close(fd)
             return None
         previous = self.holder(key)
-        self._write_state(key, "compiling")
+        self._write_state(key, ClaimState.COMPILING)
         return Claim(self, key, fd, previous)
 
     def wait_claim(self, key: str, *, on_wait: Callable[[Holder | None], None] = lambda h: None) -> tuple[Claim | None, Wait]:
@@ -131,11 +188,16 @@ class CompileClaims:
             claim = self.try_claim(key)
             wait.seconds = time.monotonic() - start
             if claim is not None:
-                state = claim.previous.state if claim.previous is not None else "died"
-                wait.outcome = "died" if state == "compiling" else state
+                previous = claim.previous
+                if previous is None or previous.kind is ClaimState.COMPILING:
+                    wait.end = WaitEnd.DIED
+                elif previous.kind is ClaimState.DONE:
+                    wait.end = WaitEnd.DONE
+                else:
+                    wait.end, wait.error = WaitEnd.FAILED, previous.error
                 return claim, wait
             if wait.seconds >= self.timeout_s:
-                wait.outcome = "timed out"
+                wait.end = WaitEnd.TIMED_OUT
                 return None, wait
 
     def holder(self, key: str) -> Holder | None:
@@ -143,15 +205,15 @@ class CompileClaims:
         try:
             with open(self._path(key, "state")) as f:
                 data = json.load(f)
-            return Holder(who=str(data["who"]), pid=int(data["pid"]), host=str(data["host"]), state=str(data["state"]))
+            return Holder.from_record(str(data["who"]), data)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def _write_state(self, key: str, state: str) -> None:
+    def _write_state(self, key: str, kind: ClaimState, error: str = "") -> None:
         path = self._path(key, "state")
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"who": self.me, "pid": os.getpid(), "host": socket.gethostname(), "state": state,
+            json.dump({"who": self.me, "pid": os.getpid(), "host": socket.gethostname(), **state_record(kind, error),
                        "time": time.time()}, f)
         os.replace(tmp, path)
 

@@ -60,10 +60,11 @@ import torch
 import torch.distributed as dist
 
 from aot.structure import structural_key
+from aot.torch_dynamo_cache import AotCache
 from compile_core.reuse.piece_records import Compiled, Job, PieceRecord, Wait
 from ddp import torch_ddp
 from ddp.agreement import env_seconds
-from compile_core.reuse.claims import CompileClaims, Holder
+from compile_core.reuse.claims import CompileClaims, Holder, WaitEnd
 from compile_core.reuse.store_claims import StoreClaims
 from inductor.torch_inductor import cache_dir
 from launch.heartbeat import beat
@@ -154,7 +155,7 @@ class CompileOnce:
             self.records[first_record:] = sorted(self.records[first_record:], key=lambda r: order.get(r.name, -1))
         if len(jobs) > 1:
             compiled_here = len(todo)
-            hits = sum(1 for i in todo if results[i].cache.aot == "hit")
+            hits = sum(1 for i in todo if results[i].cache.aot is AotCache.HIT)
             say("%s: %d pieces, %d compiled or loaded (%d aot cache hits), %d reused; %.2f s",
                 jobs[0].name.rsplit(".", 1)[0], len(jobs), compiled_here, hits, len(jobs) - compiled_here,
                 time.perf_counter() - start)
@@ -176,14 +177,14 @@ class CompileOnce:
         if key is not None:
             self._done.setdefault(key, (job.name, compiled))
         record = PieceRecord(name=job.name, key=key, cache=compiled.cache.describe(), seconds=seconds,
-                             backend=compiled.backend)
-        hit = compiled.cache.aot == "hit"
+                             backend=compiled.backend, aot_cache=compiled.cache.aot)
+        hit = compiled.cache.aot is AotCache.HIT
         if wait is not None:
             record.waited_for = wait.holder.describe() if wait.holder is not None else "another process"
             record.leader, record.waited_s, record.received_bytes = wait.outcome, wait.seconds, wait.received_bytes
-            if wait.outcome == "done" and hit:
+            if wait.end is WaitEnd.DONE and hit:
                 record.source = f"from {wait.holder.who}" if wait.holder is not None else "from another process"
-            elif wait.outcome == "done":
+            elif wait.end is WaitEnd.DONE:
                 log.warning("compile_core: rank %d: %s's compile of %s is not a cache hit here (its cache key "
                             "differs: a rank-specific value such as the device index); compiled it here",
                             _rank()[0], record.waited_for, job.name)
@@ -230,7 +231,7 @@ class CompileOnce:
 
             claim, raw = claims.wait_claim(keys[i], on_wait=waiting)
             wait = Wait.of(raw)
-            if wait.outcome != "done":
+            if wait.end is not WaitEnd.DONE:
                 log.warning("compile_core: rank %d: %s %s %s after %.1f s; compiling it here", rank,
                             wait.holder.describe() if wait.holder else "the holder", wait.outcome, job.name,
                             wait.seconds)
@@ -308,7 +309,7 @@ class CompileOnce:
         if key is None or pair is None or compiled.backend != "inductor":
             return
         path = os.path.join(cache_dir(), "ddp_compile", "pairs", f"{key}.json")
-        if compiled.cache.aot == "hit":
+        if compiled.cache.aot is AotCache.HIT:
             pair.cache = "hit"
             try:
                 with open(path) as f:
@@ -317,7 +318,7 @@ class CompileOnce:
                 # compiled by a version that kept no sizes: the pair says it came from the cache, no sizes
                 log.debug("compile_core: no forward/backward sizes kept for %s (%s)", key, err)
             return
-        pair.cache = compiled.cache.aot or None
+        pair.cache = compiled.cache.aot.value or None
         if pair.forward is not None:
             self._write_pair_sizes(key, pair.sizes())
 

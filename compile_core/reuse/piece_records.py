@@ -8,8 +8,8 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from aot import GraphPair
-from aot.torch_dynamo import CacheOutcome
-from compile_core.reuse.claims import Holder
+from aot.torch_dynamo_cache import AotCache, CacheOutcome
+from compile_core.reuse.claims import Holder, WaitEnd
 
 
 @dataclasses.dataclass
@@ -48,9 +48,12 @@ class PieceRecord:
     dir), `from the local cache` (this node compiled it before), or `reused` (an identical piece)."""
     received_bytes: int = 0
     """Bytes of another rank's compile installed into this node's cache for it."""
+    aot_cache: AotCache = AotCache.UNUSED
+    """AOTAutogradCache's outcome, the kind behind `cache` (which is for people); unused when reused."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "key": self.key, "cache": self.cache, "seconds": round(self.seconds, 4),
+        out = {"name": self.name, "key": self.key, "cache": self.cache, "aot_cache": self.aot_cache.value,
+               "seconds": round(self.seconds, 4),
                "backend": self.backend, "reused_from": self.reused_from, "source": self.source}
         if self.waited_for is not None or self.leader is not None:
             out.update(waited_s=round(self.waited_s, 3), waited_for=self.waited_for, leader=self.leader,
@@ -60,7 +63,7 @@ class PieceRecord:
     def line(self) -> str:
         if self.reused_from is not None:
             return f"{self.name} reused from {self.reused_from} ({self.seconds:.2f} s)"
-        verb = "loaded" if self.cache.startswith("aot cache hit") else "compiled"
+        verb = "loaded" if self.aot_cache is AotCache.HIT else "compiled"
         where = "" if self.source == "compiled here" else f", {self.source}"
         text = f"{self.name} {verb} ({self.cache}{where}) {self.seconds:.2f} s"
         if self.waited_for is not None:
@@ -73,14 +76,17 @@ class Wait:
     """How waiting for another rank's claim ended, whichever kind of claim it was."""
 
     holder: Holder | None
+    end: WaitEnd | None
+    """How it ended (decisions read this)."""
     outcome: str
+    """The same, for people: done, failed: <why>, died, or timed out."""
     seconds: float
     received_bytes: int = 0
     meta: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, wait: Any) -> Wait:
-        return cls(holder=wait.holder, outcome=wait.outcome, seconds=wait.seconds,
+        return cls(holder=wait.holder, end=wait.end, outcome=wait.outcome, seconds=wait.seconds,
                    received_bytes=getattr(wait, "installed_bytes", 0), meta=getattr(wait, "meta", {}))
 
 

@@ -41,7 +41,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from inductor import artifacts
-from compile_core.reuse.claims import Holder
+from compile_core.reuse.claims import ClaimState, Holder, WaitEnd, state_record, wait_text
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +59,21 @@ class StoreWait:
     """Time spent waiting (fetching and installing included)."""
     holder: Holder | None = None
     """The leader waited for (the last one, after a takeover)."""
-    outcome: str = ""
-    """done, failed: <why>, died (no liveness for dead_after_s), or timed out."""
+    end: WaitEnd | None = None
+    """How the wait ended: done, failed, died (no liveness for dead_after_s), or timed out."""
+    error: str = ""
+    """Why it failed (FAILED), for people."""
     leader_rank: int | None = None
     """The global rank of that leader."""
     installed_bytes: int = 0
     """Bytes of its compile installed here (0: none, or the leader shares this cache dir)."""
     meta: dict = dataclasses.field(default_factory=dict)
     """What the leader attached to its compile (`done(meta)`), when it was installed here."""
+
+    @property
+    def outcome(self) -> str:
+        """done, failed: <why>, died, or timed out (for people)."""
+        return wait_text(self.end, self.error)
 
 
 class _Liveness:
@@ -129,7 +136,7 @@ class StoreClaim:
         self._claims._publish(self.key, artifacts.pack(captured, self._claims.directory, meta))
 
     def failed(self, error: str) -> None:
-        self._claims._set_state(self.key, f"failed: {error}"[:300])
+        self._claims._set_state(self.key, ClaimState.FAILED, error)
 
     def release(self) -> None:
         if not self._released:
@@ -176,28 +183,28 @@ class StoreClaims:
         while True:
             wait.leader_rank = leader
             holder = self.holder(key, leader)
-            wait.holder = holder or Holder(who=f"rank {leader}", pid=0, host="?", state="compiling")
+            wait.holder = holder or Holder(who=f"rank {leader}", pid=0, host="?", kind=ClaimState.COMPILING)
             if not announced:
                 on_wait(wait.holder)
                 announced = True
-            outcome = self._watch(key, leader, start)
+            end, error = self._watch(key, leader, start)
             wait.seconds = time.monotonic() - start
-            if outcome == "done":
+            if end is WaitEnd.DONE:
                 wait.holder = self.holder(key, leader) or wait.holder
                 try:
                     wait.installed_bytes, wait.meta = self._fetch_and_install(key, leader)
-                    wait.outcome = "done"
+                    wait.end = WaitEnd.DONE
                 except (ValueError, OSError) as err:  # compile it here rather than trust it
-                    wait.outcome = f"failed: its compile could not be installed here: {err}"[:300]
+                    wait.end, wait.error = WaitEnd.FAILED, f"its compile could not be installed here: {err}"
                 wait.seconds = time.monotonic() - start
                 return None, wait
-            if outcome == "timed out":
-                wait.outcome = outcome
+            if end is WaitEnd.TIMED_OUT:
+                wait.end = end
                 return None, wait
             # failed or died: take the claim over, unless another waiter did first
             got = self._decode(self.store.compare_set(self._k(key, "claim"), str(leader), str(self.rank)))
             if got == self.rank:
-                wait.outcome = outcome
+                wait.end, wait.error = end, error
                 return self._take(key, wait.holder), wait
             log.info("compile_core: rank %d: rank %d took over %s from rank %d; waiting for it",
                      self.rank, got, key, leader)
@@ -210,7 +217,7 @@ class StoreClaims:
             return None
         try:
             data = json.loads(self.store.get(state_key))
-            return Holder(who=f"rank {leader}", pid=int(data["pid"]), host=str(data["host"]), state=str(data["state"]))
+            return Holder.from_record(f"rank {leader}", data)
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -218,39 +225,40 @@ class StoreClaims:
 
     def _take(self, key: str, previous: Holder | None) -> StoreClaim:
         self._liveness.hold()
-        self._set_state(key, "compiling")
+        self._set_state(key, ClaimState.COMPILING)
         return StoreClaim(self, key, previous)
 
-    def _watch(self, key: str, leader: int, start: float) -> str:
-        """Poll until the leader is done, failed or silent too long, or the wait times out."""
+    def _watch(self, key: str, leader: int, start: float) -> tuple[WaitEnd, str]:
+        """Poll until the leader is done, failed or silent too long, or the wait times out: (how, error)."""
         alive_key = f"{self.prefix}/alive/{leader}"
         last_count, last_change = None, time.monotonic()
         while True:
             holder = self.holder(key, leader)
-            if holder is not None and holder.state == "done":
-                return "done"
-            if holder is not None and holder.state.startswith("failed"):
-                return holder.state
+            if holder is not None and holder.kind is ClaimState.DONE:
+                return WaitEnd.DONE, ""
+            if holder is not None and holder.kind is ClaimState.FAILED:
+                return WaitEnd.FAILED, holder.error
             now = time.monotonic()
             count = self.store.add(alive_key, 0)  # reads the counter (creating it at 0)
             if count != last_count:
                 last_count, last_change = count, now
             elif now - last_change > self.dead_after_s:
-                return "died"
+                return WaitEnd.DIED, ""
             if now - start > self.timeout_s:
-                return "timed out"
+                return WaitEnd.TIMED_OUT, ""
             time.sleep(self.poll_s)
 
-    def _set_state(self, key: str, state: str, **extra: Any) -> None:
-        value = {"state": state, "pid": os.getpid(), "host": socket.gethostname(), "cache_dir": self.directory,
-                 "time": time.time(), **extra}
+    def _set_state(self, key: str, kind: ClaimState, error: str = "", **extra: Any) -> None:
+        value = {**state_record(kind, error), "pid": os.getpid(), "host": socket.gethostname(),
+                 "cache_dir": self.directory, "time": time.time(), **extra}
         self.store.set(self._k(key, f"state/{self.rank}"), json.dumps(value))
 
     def _publish(self, key: str, blob: bytes) -> None:
         chunks = [blob[i:i + CHUNK] for i in range(0, len(blob), CHUNK)] or [b""]
         for i, chunk in enumerate(chunks):
             self.store.set(self._k(key, f"blob/{self.rank}/{i}"), chunk)
-        self._set_state(key, "done", chunks=len(chunks), bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+        self._set_state(key, ClaimState.DONE, chunks=len(chunks), bytes=len(blob),
+                        sha256=hashlib.sha256(blob).hexdigest())
 
     def _fetch_and_install(self, key: str, leader: int) -> tuple[int, dict]:
         data = json.loads(self.store.get(self._k(key, f"state/{leader}")))

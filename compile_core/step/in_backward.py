@@ -68,7 +68,7 @@ def support(optimizer: torch.optim.Optimizer) -> str | None:
 class OptimizerInBackward:
     """Templates and per-call inputs for the updates the compiled backward applies.
 
-    Implements `ddp.in_graph.runtime.UpdateProvider`.
+    Implements `ddp.in_graph.update_inputs.UpdateProvider`.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clip_max_norm: float | None = None) -> None:

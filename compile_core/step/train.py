@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import DynamoError
+from aot.torch_dynamo import DynamoError, cause_chain
 from compile_core.events import CompileEvents
 from compile_core.step.hyperparams import HyperparamPins
 from compile_core.step.in_backward import InBackwardController
@@ -397,13 +397,7 @@ def _split_args(args: tuple[Any, ...], target: Any) -> tuple[tuple[Any, ...], An
 
 def _describe(err: BaseException) -> str:
     """`Type: first line`, plus the root cause (Dynamo wraps backend errors in BackendCompilerFailed)."""
-    root, seen = err, {id(err)}
-    while True:
-        nxt = getattr(root, "inner_exception", None) or root.__cause__
-        if nxt is None or id(nxt) in seen:
-            break
-        root = nxt
-        seen.add(id(root))
+    root = cause_chain(err)[-1]
 
     def one(e: BaseException) -> str:
         text = str(e).strip()

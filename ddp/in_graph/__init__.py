@@ -2,7 +2,8 @@
 
 * `graph_pass.py` -- the FX passes (bucketed all-reduce in the backward, accumulated gradients);
 * `partitioner.py` -- AOTAutograd's partition step with those passes (aot_eager and Inductor);
-* `runtime.py` -- `InGraphReducer`: DDP's semantics around it (no_sync, buffers, agreement);
+* `runtime.py` -- `InGraphReducer`: DDP's semantics around it (no_sync, buffers, the end of the backward);
+* `variants.py` -- which compiled variant a step runs, and the ranks' agreement on the graphs it ran;
 * `policy.py` -- which reduction a comm hook asks for (compiled in, or left to DDP's reducer);
 * `probe.py` -- finds parameters with gradient producers outside a single compiled graph;
 * `leftovers.py` -- the reduction after the backward of what the graphs did not reduce alone.
@@ -12,7 +13,8 @@ from __future__ import annotations
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp import torch_ddp
-from ddp.in_graph.runtime import VARIANTS, InGraphReducer
+from ddp.in_graph.runtime import InGraphReducer
+from ddp.in_graph.variants import VARIANTS
 
 
 def in_graph_blocker(ddp: DistributedDataParallel) -> torch_ddp.DDPOptionBlocker | None:

@@ -41,11 +41,12 @@ import torch.fx as fx
 
 from aot.torch_dynamo import grad_outputs, graph_fake_mode, input_placeholders, save_for_backward
 from ddp.bucketing.grad_buckets import GradBucketPlan
+from ddp.torch_ddp import functional_all_reduce_ops
 from inductor.torch_inductor import order_after
 
 _ops = torch.ops.aten
 _prims = torch.ops.prims
-_c10d = torch.ops._c10d_functional
+_all_reduce, _wait_tensor = functional_all_reduce_ops()
 
 
 class _Builder:
@@ -167,7 +168,7 @@ def insert_bucketed_all_reduce(
         if wire_dtype is not None and wire_dtype != dtype:
             cursor = builder.after(cursor, _prims.convert_element_type.default, [cursor, wire_dtype])
         cursor = builder.after(cursor, _ops.div.Tensor, [cursor, float(world_size)])
-        cursor = builder.after(cursor, _c10d.all_reduce.default, [cursor, "sum", group_name])
+        cursor = builder.after(cursor, _all_reduce, [cursor, "sum", group_name])
         issued.append(_Issued(members=members, reduced=cursor, index=len(issued), input_indices=present, dtype=dtype))
     if updates is None:
         # Waits as late as possible: just before the output that needs them.
@@ -189,7 +190,7 @@ def insert_bucketed_all_reduce(
 def _wait_and_split(builder: _Builder, bucket: _Issued) -> list[tuple[int, fx.Node]]:
     """wait_tensor on the bucket, then one gradient view per member: [(output position, view)]."""
     graph = builder.graph
-    done = builder.call(_c10d.wait_tensor.default, [bucket.reduced])
+    done = builder.call(_wait_tensor, [bucket.reduced])
     bucket.wait = done
     if done.meta["val"].dtype != bucket.dtype:  # a narrower wire: back to the gradients' dtype
         done = builder.call(_prims.convert_element_type.default, [done, bucket.dtype])

@@ -9,13 +9,13 @@ reduced. The user's eager DDP script is the specification: every gradient ends t
 the average over the ranks of that parameter's *total* gradient, whatever produced it.
 
 Algorithm, per forward of the DDP model:
-  * before DDP's forward, choose the variant of the compiled graph: "reduce" (grad mode on and DDP
-    would sync), "reduce_acc" (the same, with gradients accumulated by earlier micro-batches under
-    `no_sync()`), "local" (no collective at all), each with "_update" when the optimizer updates
-    inside the backward. The compiled entry branches on it, so Dynamo keeps one cache entry per
-    variant. DDP's `require_backward_grad_sync` is off for the duration of its forward, exactly
-    what `no_sync()` does, so its reducer stays idle. A comm hook we cannot compile
-    (ddp/in_graph/policy.py) leaves everything to DDP's reducer instead ("local" graphs).
+  * before DDP's forward, choose the variant of the compiled graph (ddp/in_graph/variants.py):
+    "reduce" (grad mode on and DDP would sync), "reduce_acc" (the same, with gradients accumulated
+    by earlier micro-batches under `no_sync()`), "local" (no collective at all), each with
+    "_update" when the optimizer updates inside the backward. The compiled entry branches on it,
+    so Dynamo keeps one cache entry per variant. DDP's `require_backward_grad_sync` is off for the
+    duration of its forward, exactly what `no_sync()` does, so its reducer stays idle. A comm hook
+    we cannot compile (ddp/in_graph/policy.py) leaves everything to DDP's reducer instead ("local" graphs).
   * accumulation under `no_sync()`: in a train_step ("reduce_acc") the accumulated gradients are
     moved out of `.grad` into extra inputs of the graph, whose backward reduces `accumulated + this
     micro-batch` (ddp/in_graph/graph_pass.py). In a user's own loop, which may zero the gradients
@@ -44,44 +44,27 @@ graph, fallbacks); each graph's buckets name the backward op after which their a
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import graph_break_of, with_extra_inputs
+from aot.torch_dynamo import tree_leaves, with_extra_inputs
 from ddp import torch_ddp
 from ddp.agreement import RankAgreement
 from ddp.bucketing import ParamInfo
 from ddp.bucketing.grad_buckets import GradBucketPlan, GradSlot, plan_grad_buckets, ready_order
-from ddp.in_graph.graph_pass import UpdateSpec, UpdateTemplate
+from ddp.in_graph.graph_pass import UpdateSpec
 from ddp.in_graph.leftovers import LeftoverReducer
 from ddp.in_graph.partitioner import InGraphPartitioner
 from ddp.in_graph.policy import Reduction, reduction_for
 from ddp.in_graph.probe import OutsideGradientProbe
+from ddp.in_graph.update_inputs import UpdateProvider, add_input, update_inputs
+from ddp.in_graph.variants import GraphsAgreement, accumulates, updates_in_backward, variant_for
 
 log = logging.getLogger(__name__)
-
-VARIANTS = ("local", "reduce", "reduce_acc", "reduce_update", "reduce_acc_update")
-"""local: no collective (no_sync, no grad); reduce: all-reduce per bucket; _acc: plus the gradients
-accumulated by earlier micro-batches; _update: plus the optimizer update per bucket."""
-
-
-class UpdateProvider(Protocol):
-    """What the backward needs from the optimizer to update parameters in place (compile_core.step.in_backward)."""
-
-    clip_max_norm: float | None
-    norm: torch.Tensor | None
-
-    def template_for(self, param: torch.nn.Parameter) -> UpdateTemplate | None: ...
-
-    def states(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[torch.Tensor]: ...
-
-    def hypers(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[tuple[Any, torch.Tensor]]: ...
-
 
 CompileFn = Callable[..., "tuple[Callable[..., Any], bool]"]
 """(gm, example_inputs, name, partitioner=...) -> (compiled, whether AOTAutograd ran)."""
@@ -112,7 +95,7 @@ class InGraphReducer:
         self.reduction: Reduction = reduction_for(ddp, reduce_dtype)
         self._hooks_seen = list(torch_ddp.comm_hooks(ddp))
         self.variant = "local"
-        """Read by the compiled entry: Dynamo guards on it (one cache entry per variant)."""
+        """One of `VARIANTS` (ddp/in_graph/variants.py), read by the compiled code: Dynamo guards on it."""
         self.params = list(torch_ddp.reducer_params(ddp)[0])
         self._by_id = {id(p): p for p in self.params}
         self._leftovers = LeftoverReducer(group=self.group, world_size=self.world_size,
@@ -126,7 +109,7 @@ class InGraphReducer:
         self._runs: list[tuple[tuple, frozenset[int], frozenset[int], Any]] = []  # this forward's graphs
         self._covered: list[frozenset[int]] = []  # param ids reduced in-graph, per graph run this step
         self._updated: set[int] = set()  # param ids updated inside this step's backward
-        self._agreed: tuple | None = None  # the graphs every rank ran, as last agreed
+        self._graphs_run = GraphsAgreement(agreement)  # the graphs every rank ran, as last agreed
         self._compiled_this_step = False  # a compile may keep other ranks busy: wait longer for them
         self._seen_variants: set[str] = set()
         self._new_variant = False
@@ -176,15 +159,12 @@ class InGraphReducer:
             torch_ddp.keep_static_graph_reducer_idle(self.ddp)
         self._user_sync = self.ddp.require_backward_grad_sync
         sync = torch.is_grad_enabled() and self._user_sync
-        if not sync:
-            self.variant = "local"
-        else:
-            accumulated = self.accumulate_in_graph and any(p.grad is not None for p in self.params)
-            if accumulated:
-                self._stash = {id(p): p.grad for p in self.params if p.grad is not None}
-                for p in self.params:
-                    p.grad = None
-            self.variant = "reduce" + ("_acc" if accumulated else "") + ("_update" if self.updates else "")
+        accumulated = sync and self.accumulate_in_graph and any(p.grad is not None for p in self.params)
+        if accumulated:
+            self._stash = {id(p): p.grad for p in self.params if p.grad is not None}
+            for p in self.params:
+                p.grad = None
+        self.variant = variant_for(sync=sync, accumulated=accumulated, update=bool(self.updates))
         self._new_variant = self.variant not in self._seen_variants
         self._seen_variants.add(self.variant)
         self.ddp.require_backward_grad_sync = False
@@ -205,15 +185,11 @@ class InGraphReducer:
         self._covered = [covered for _, covered, _, _ in runs]
         self._updated = set().union(*(updated for _, _, updated, _ in runs))
         signature = tuple(entry for entry, _, _, _ in runs)
-        if signature != self._agreed:
-            timeouts = self.agreement.timeouts
-            wait = timeouts.first_timeout_s if self._compiled_this_step else timeouts.timeout_s
-            self.agreement.agree("graphs run", signature, describe=_describe_signature, timeout_s=wait)
-            self._agreed = signature
+        if self._graphs_run.agree(signature, compiled_this_step=self._compiled_this_step):
             probed = {i for covered in self._covered for i in covered if i not in self.outside}
             self._probe = OutsideGradientProbe([out for *_, out in runs], [self._by_id[i] for i in probed])
         self._armed = False
-        for t in pytree.tree_leaves(output):
+        for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._queue_finish)
 
@@ -298,12 +274,12 @@ class InGraphReducer:
         inputs = list(example_inputs)
         extras: list[Callable[[], torch.Tensor]] = []  # run-time producers of the extra inputs, in order
         accumulated: dict[int, int] = {}
-        if "_acc" in variant:
+        if accumulates(variant):
             for i in sorted(plan.input_indices()):
-                accumulated[i] = _add_input(inputs, extras, torch.zeros_like(inputs[i]),
-                                            lambda p=inputs[i]: self._take_accumulated(p))
-        spec = self._update_spec(gm, inputs, plan, extras) if variant.endswith("_update") else None
-        if self.updates is not None and spec is None and variant.endswith("_update"):
+                accumulated[i] = add_input(inputs, extras, torch.zeros_like(inputs[i]),
+                                           lambda p=inputs[i]: self._take_accumulated(p))
+        spec = self._update_spec(gm, inputs, plan, extras) if updates_in_backward(variant) else None
+        if self.updates is not None and spec is None and updates_in_backward(variant):
             log.warning("ddp in_graph: %s: optimizer update stays after the backward: %s", name, self.update_blocker)
         if extras:
             gm = with_extra_inputs(gm, [f"ddp_compile_input_{k}" for k in range(len(extras))])
@@ -337,38 +313,11 @@ class InGraphReducer:
         self, gm: fx.GraphModule, inputs: list, plan: GradBucketPlan, extras: list[Callable[[], torch.Tensor]]
     ) -> UpdateSpec | None:
         """Extra inputs and templates for updating the planned parameters that have an update, or None."""
-        provider = self.updates
-        if graph_break_of(gm) is not None:
-            self.update_blocker = "the model does not compile into one graph (graph break)"
-            return None
-        indices = sorted(plan.input_indices())
-        templates = {i: t for i in indices if (t := provider.template_for(inputs[i])) is not None}
-        # No template: not in the optimizer, or no state yet (a branch that joined late). Its
-        # reduced gradient is returned and the normal optimizer step updates it after the backward.
-        self.not_updated = [self.names.get(id(inputs[i]), "?") for i in indices if i not in templates]
-        if not templates:
-            self.update_blocker = "no parameter of this graph has an update yet"
-            return None
-        hyper_inputs: dict[Any, int] = {}
-        role_inputs: dict[int, tuple[int, ...]] = {}
-        for i, template in templates.items():
-            param = inputs[i]
-            roles = [
-                _add_input(inputs, extras, torch.zeros_like(t), lambda p=param, t=template, k=k: provider.states(p, t)[k])
-                for k, t in enumerate(provider.states(param, template))
-            ]
-            for k, (key, tensor) in enumerate(provider.hypers(param, template)):
-                if key not in hyper_inputs:
-                    hyper_inputs[key] = _add_input(inputs, extras, tensor.detach().clone(),
-                                                   lambda p=param, t=template, k=k: provider.hypers(p, t)[k][1])
-                roles.append(hyper_inputs[key])
-            role_inputs[i] = tuple(roles)
-        norm_input = None
-        if provider.clip_max_norm is not None and provider.norm is not None:
-            norm_input = _add_input(inputs, extras, torch.zeros_like(provider.norm), lambda: provider.norm)
-        self.update_blocker = None
-        return UpdateSpec(templates=templates, role_inputs=role_inputs, clip_max_norm=provider.clip_max_norm,
-                          norm_input=norm_input)
+        got = update_inputs(gm, inputs, plan, extras, self.updates, self.names)
+        self.update_blocker = got.blocker
+        if got.not_updated is not None:
+            self.not_updated = got.not_updated
+        return got.spec
 
     def _take_accumulated(self, param: torch.nn.Parameter) -> torch.Tensor:
         acc = self._stash.pop(id(param), None)
@@ -424,20 +373,3 @@ class InGraphReducer:
                 "compile_core: ddp='in_graph': %s also get gradients from outside a single compiled graph "
                 "(eager code, an auxiliary loss, another graph); they are all-reduced after the backward, "
                 "as DDP reduces their total", sorted(new.values()))
-
-
-def _describe_signature(signature: tuple) -> str:
-    if not signature:
-        return "no compiled graph with collectives"
-    graphs = []
-    for buckets, wire in signature:
-        names = [n for b in buckets for n in b]
-        graphs.append(f"{len(buckets)} bucket(s) [{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}] ({wire})")
-    return "; ".join(graphs)
-
-
-def _add_input(inputs: list, extras: list, example: torch.Tensor, make: Callable[[], torch.Tensor]) -> int:
-    """Append one extra graph input (example for compiling, `make` for every call); return its index."""
-    inputs.append(example)
-    extras.append(make)
-    return len(inputs) - 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddp.overlap.recorder import StepTimeline
+from ddp.overlap.timeline import StepTimeline
 
 
 def plot_timeline(timeline: StepTimeline | dict[str, Any], path: str | Path, *, title: str = "") -> Path:

@@ -3,8 +3,8 @@
 Per bucket per step it records which parameters (user names) the bucket held, how many bytes it
 carried, when its gradients were ready (the hook call) and when its all-reduce finished (the
 future's callback). It only uses public DDP APIs (`register_comm_hook`, `GradBucket`), so it keeps
-working when `compile_core` swaps DDP's reducer (hooks are carried over). The overlap math is in
-`ddp/overlap/intervals.py`.
+working when `compile_core` swaps DDP's reducer (hooks are carried over). What it records is a
+`StepTimeline` per step (`ddp/overlap/timeline.py`); the overlap math is in `ddp/overlap/intervals.py`.
 """
 from __future__ import annotations
 
@@ -18,69 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp.overlap.intervals import OverlapStats, overlap_stats
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BucketRecord:
-    """One bucket's all-reduce in one step."""
-
-    step: int
-    """Step number (0-based, counted by the recorder from the first backward it saw)."""
-    index: int
-    """DDP's bucket index (`GradBucket.index()`); DDP launches buckets in this order."""
-    params: tuple[str, ...]
-    """User names of the bucket's parameters, in DDP's order inside the bucket."""
-    nbytes: int
-    """Size of the flat gradient buffer that was all-reduced."""
-    ready_s: float
-    """perf_counter time the hook was called: every gradient of the bucket was ready."""
-    done_s: float
-    """perf_counter time the all-reduce's future completed."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepTimeline:
-    """Every bucket of one step plus the backward compute window."""
-
-    step: int
-    """Step number."""
-    backward_start_s: float
-    """S: marked backward start, or the first bucket's ready time when the step was not marked."""
-    backward_end_s: float
-    """E: the last bucket's ready time (the last gradient produced)."""
-    start_marked: bool
-    """True when S came from `mark_backward_start`, False when it fell back to the first ready time."""
-    buckets: tuple[BucketRecord, ...]
-    """Buckets in DDP's launch (index) order."""
-
-    def overlap(self) -> OverlapStats:
-        return overlap_stats(
-            compute=(self.backward_start_s, self.backward_end_s),
-            comm=[(b.ready_s, b.done_s) for b in self.buckets],
-        )
-
-    def bucket_names(self) -> list[list[str]]:
-        return [list(b.params) for b in self.buckets]
-
-    def to_dict(self) -> dict[str, Any]:
-        t0 = self.backward_start_s
-        return {
-            "step": self.step,
-            "start_marked": self.start_marked,
-            "backward_ms": [0.0, 1e3 * (self.backward_end_s - t0)],
-            "buckets": [
-                {
-                    "index": b.index,
-                    "params": list(b.params),
-                    "bytes": b.nbytes,
-                    "ready_ms": 1e3 * (b.ready_s - t0),
-                    "done_ms": 1e3 * (b.done_s - t0),
-                }
-                for b in self.buckets
-            ],
-            "overlap": self.overlap().to_dict(),
-        }
+from ddp.overlap.intervals import OverlapStats
+from ddp.overlap.plot import plot_timeline
+from ddp.overlap.timeline import BucketRecord, StepTimeline
+from ddp.torch_ddp import functional_all_reduce_sum
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,11 +133,9 @@ class OverlapRecorder:
         """DDP's python reducer (optimize_ddp="python_reducer") calls hooks per parameter under compiled
         autograd: there are no buckets to time, so do exactly what DDP does without a hook and record nothing.
         """
-        import torch.distributed._functional_collectives as fcol
-
         self.bypassed = True
         group = self._group if self._group is not None else dist.group.WORLD
-        grad.copy_(fcol.all_reduce(grad / self._world_size(), "sum", group))
+        grad.copy_(functional_all_reduce_sum(grad / self._world_size(), group))
 
     def _record_done(self, step: int, *, bucket_index: int, when: float) -> None:
         with self._lock:
@@ -280,7 +219,5 @@ class OverlapRecorder:
         }
 
     def plot_timeline(self, path: str | Path, *, step: int = -1, title: str = "") -> Path:
-        """Draw one step's timeline to a PNG (see `plot_timeline`)."""
-        from ddp.overlap.plot import plot_timeline
-
+        """Draw one step's timeline to a PNG (see `ddp.overlap.plot.plot_timeline`)."""
         return plot_timeline(self.timeline(step), path, title=title)

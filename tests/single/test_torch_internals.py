@@ -159,6 +159,16 @@ def test_install_reducer_gives_ddp_our_buckets_and_keeps_hooks():
         assert ddp._has_rebuilt_buckets
 
 
+def test_functional_all_reduce_ops_run_and_sum():
+    with canary("ddp/torch_ddp.py:functional_all_reduce_ops/functional_all_reduce_sum"):
+        all_reduce, wait_tensor = torch_ddp.functional_all_reduce_ops()
+        assert isinstance(all_reduce, torch._ops.OpOverload) and isinstance(wait_tensor, torch._ops.OpOverload)
+        group = torch.distributed.group.WORLD
+        t = torch.arange(4.0)
+        torch.testing.assert_close(wait_tensor(all_reduce(t, "sum", group.group_name)), t)  # one rank: the identity
+        torch.testing.assert_close(torch_ddp.functional_all_reduce_sum(t * 2, group) + 0, t * 2)
+
+
 # -- aot/torch_dynamo.py ----------------------------------------------------------------------------
 
 
@@ -179,6 +189,37 @@ def test_lookup_backend_and_restart_and_error_types():
         assert callable(torch_dynamo.lookup_backend("aot_eager"))
         assert issubclass(torch_dynamo.RestartAnalysis, Exception)
         assert issubclass(torch_dynamo.DynamoError, Exception)
+
+
+def test_a_modules_call_can_be_replaced_and_bypassed_like_module_compile_does():
+    with canary("aot/torch_dynamo.py:installed_compiled_call/install_compiled_call/call_uncompiled"):
+        compiled = nn.Linear(2, 2)
+        assert torch_dynamo.installed_compiled_call(compiled) is None
+        compiled.compile(backend="eager")
+        assert torch_dynamo.installed_compiled_call(compiled) is not None
+        module, hooked = nn.Linear(2, 2), []
+        module.register_forward_hook(lambda mod, args, out: hooked.append(out.shape))
+        torch_dynamo.install_compiled_call(module, lambda *args, **kwargs: "replaced")
+        assert torch_dynamo.installed_compiled_call(module) is not None
+        assert module(torch.randn(1, 2)) == "replaced" and hooked == []
+        x = torch.randn(3, 2)
+        torch.testing.assert_close(torch_dynamo.call_uncompiled(module, x), module.forward(x))
+        assert hooked == [torch.Size([3, 2])]  # hooks run, as in a plain call
+
+
+def test_operators_are_told_from_other_callables():
+    with canary("aot/torch_dynamo.py:is_op_overload"):
+        assert torch_dynamo.is_op_overload(torch.ops.aten.add.Tensor)
+        assert torch_dynamo.is_op_overload(torch.ops.aten.add)
+        assert torch_dynamo.is_op_overload(torch.ops.prims.convert_element_type.default)
+        assert str(torch.ops.aten.add.Tensor) == "aten.add.Tensor"
+        assert not torch_dynamo.is_op_overload(torch.add) and not torch_dynamo.is_op_overload(lambda x: x)
+
+
+def test_tree_leaves_flattens_outputs():
+    with canary("aot/torch_dynamo.py:tree_leaves"):
+        a, b = torch.zeros(1), torch.ones(1)
+        assert torch_dynamo.tree_leaves({"x": [a, (b, 3)], "y": None}) == [a, b, 3, None]
 
 
 def _graph_break_fn(x):
@@ -237,7 +278,7 @@ def test_non_lazy_backward_compiles_the_backward_with_the_forward():
 
 @pytest.mark.inductor
 def test_watch_caches_reads_aot_and_fx_cache_outcomes(tmp_path, monkeypatch):
-    with canary("aot/torch_dynamo.py:watch_caches"):
+    with canary("aot/torch_dynamo_cache.py:watch_caches"):
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
         w = torch.randn(4, requires_grad=True)
         unique = 1.0 + (hash(str(tmp_path)) % 10_000) / 1e5  # a graph no earlier run has cached
@@ -255,6 +296,27 @@ def test_watch_caches_reads_aot_and_fx_cache_outcomes(tmp_path, monkeypatch):
             torch.compile(lambda x: (x * w * unique).cos().sum(), backend=backend)(torch.randn(4)).backward()
         assert [o.aot for o in outcomes] == ["miss", "hit"]
         assert outcomes[0].fx_misses >= 1 and outcomes[1].describe() == "aot cache hit"
+
+
+@pytest.mark.inductor
+def test_watch_caches_finds_why_the_aot_cache_was_bypassed(tmp_path, monkeypatch):
+    with canary("aot/torch_dynamo_cache.py:watch_caches (bypass)"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        w = torch.randn(4, requires_grad=True)
+        outcomes = []
+
+        def backend(gm, example_inputs):
+            with torch_dynamo.watch_caches() as outcome:
+                compiled = torch_inductor.compile_fx_with(gm, example_inputs, on_graph=lambda g, b: None,
+                                                          config_patches=None)
+            outcomes.append(outcome)
+            return compiled
+
+        with torch._inductor.config.patch(freezing=True):  # AOTAutogradCache refuses frozen graphs
+            torch.compile(lambda x: (x * w * 1.5).cos().sum(), backend=backend)(torch.randn(4)).backward()
+        assert [o.aot for o in outcomes] == [torch_dynamo.AotCache.BYPASS], outcomes
+        assert outcomes[0].reason == "Cannot cache a graph with freezing enabled", outcomes
+        assert outcomes[0].describe().startswith("aot cache bypass (Cannot cache a graph with freezing enabled)")
 
 
 def test_optimizer_step_hooks_are_counted():
@@ -323,13 +385,15 @@ class _OwnError(RuntimeError):
 
 
 def test_an_error_raised_in_a_backend_is_found_inside_dynamos_wrapper():
-    with canary("aot/torch_dynamo.py:root_cause"):
+    with canary("aot/torch_dynamo.py:root_cause/cause_chain"):
         def backend(gm, example_inputs):
             raise _OwnError("ours")
 
         with pytest.raises(torch_dynamo.DynamoError) as caught:
             torch.compile(lambda x: x + 1, backend=backend)(torch.randn(2))
         assert isinstance(torch_dynamo.root_cause(caught.value, _OwnError), _OwnError)
+        chain = torch_dynamo.cause_chain(caught.value)
+        assert chain[0] is caught.value and isinstance(chain[-1], _OwnError), chain
 
 
 # -- the AOT graph internals of ddp="in_graph" ----------------------------------------------------------
@@ -378,6 +442,14 @@ def test_a_forward_input_can_be_saved_for_the_backward():
         fw.recompile()
         bw.recompile()
         assert placeholder.name in bw.code
+
+
+def test_the_saved_values_are_the_backward_inputs_before_the_tangents():
+    with canary("aot/torch_dynamo.py:saved_count"):
+        w = torch.randn(4, requires_grad=True)
+        seen = _partitioned(lambda x: (x * w).sin(), torch.randn(4))
+        fw_outputs = next(n for n in seen["fw"].graph.nodes if n.op == "output").args[0]
+        assert torch_dynamo.saved_count(seen["bw"].graph) == len(fw_outputs) - 1 >= 1  # one user output
 
 
 def test_a_mutating_function_is_captured_as_a_functional_graph():

@@ -1,0 +1,76 @@
+"""Per step of `ddp="in_graph"`: which variant of the compiled graphs runs, and the ranks' agreement on
+the graphs a step ran (Note [ddp="in_graph" at run time] in ddp/in_graph/runtime.py).
+
+A variant is one of `VARIANTS`; `InGraphReducer` holds the current one in a plain string attribute that
+the compiled code compares with, so Dynamo guards on it and keeps one cache entry per variant. What a
+variant does is read from `accumulates` / `updates_in_backward`, never from its spelling.
+"""
+from __future__ import annotations
+
+from ddp.agreement import RankAgreement
+
+VARIANTS = ("local", "reduce", "reduce_acc", "reduce_update", "reduce_acc_update")
+"""local: no collective (no_sync, no grad); reduce: all-reduce per bucket; _acc: plus the gradients
+accumulated by earlier micro-batches; _update: plus the optimizer update per bucket."""
+
+_ACCUMULATING = frozenset({"reduce_acc", "reduce_acc_update"})
+_UPDATING = frozenset({"reduce_update", "reduce_acc_update"})
+
+
+def variant_for(*, sync: bool, accumulated: bool, update: bool) -> str:
+    """The variant of a forward: `sync` (grad mode on and DDP would sync), with gradients `accumulated`
+    by earlier micro-batches handed to the graph, with the optimizer `update` inside the backward."""
+    if not sync:
+        return "local"
+    return {(False, False): "reduce", (True, False): "reduce_acc",
+            (False, True): "reduce_update", (True, True): "reduce_acc_update"}[(accumulated, update)]
+
+
+def accumulates(variant: str) -> bool:
+    """Whether the variant's graphs take the accumulated gradients as extra inputs and reduce their sum."""
+    return variant in _ACCUMULATING
+
+
+def updates_in_backward(variant: str) -> bool:
+    """Whether the variant's backward updates the parameters after their bucket's all-reduce."""
+    return variant in _UPDATING
+
+
+Signature = tuple
+"""The graphs one step ran, in order: per graph, its buckets (parameter names) and the wire dtype."""
+
+
+class GraphsAgreement:
+    """The graphs every rank ran in a synchronising step, as last agreed through the store.
+
+    Ranks exchange only when this rank's signature differs from the last agreed one (the first step, a
+    new graph, a rank that took another branch): in steady state nothing is exchanged.
+    """
+
+    def __init__(self, agreement: RankAgreement) -> None:
+        self.agreement = agreement
+        self.agreed: Signature | None = None
+
+    def agree(self, signature: Signature, *, compiled_this_step: bool) -> bool:
+        """Agree on `signature` unless it is the last agreed one; True when the ranks exchanged.
+
+        A step that compiled waits `first_timeout_s` for the others (they may still be compiling).
+        """
+        if signature == self.agreed:
+            return False
+        timeouts = self.agreement.timeouts
+        wait = timeouts.first_timeout_s if compiled_this_step else timeouts.timeout_s
+        self.agreement.agree("graphs run", signature, describe=describe_signature, timeout_s=wait)
+        self.agreed = signature
+        return True
+
+
+def describe_signature(signature: Signature) -> str:
+    """The graphs of a signature, for people (in a mismatch error)."""
+    if not signature:
+        return "no compiled graph with collectives"
+    graphs = []
+    for buckets, wire in signature:
+        names = [n for b in buckets for n in b]
+        graphs.append(f"{len(buckets)} bucket(s) [{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}] ({wire})")
+    return "; ".join(graphs)
