@@ -22,6 +22,7 @@ A graph loaded from AOTAutograd's cache is never handed to the compilers: such a
 
 Debugging: `GraphPair.describe()` prints both graphs' sizes; `pair.forward.print_readable()` shows code.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -24,6 +24,7 @@ Notes: knows nothing of DDP or of buckets; used by compile_core/reuse/compile_on
 
 Debugging: `structural_lines(gm, inputs)` returns the text that is hashed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -120,10 +121,16 @@ def _value(value: Any, position: dict[fx.Node, str]) -> str:
         inner = ",".join(_value(v, position) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner})"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k!s}:{_value(v, position)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+        return (
+            "{"
+            + ",".join(f"{k!s}:{_value(v, position)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
+            + "}"
+        )
     if isinstance(value, slice):
         return f"slice({_value(value.start, position)},{_value(value.stop, position)},{_value(value.step, position)})"
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+    if value is None or isinstance(
+        value, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+    ):
         return repr(value)
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return f"sym({value})"

@@ -7,6 +7,7 @@ Public routes (`torch.compile`, `torch.compiler.reset`, `functorch.compile`) are
 2.13 has one; what is here has none. What the compile caches did is watched in
 `aot/torch_dynamo_cache.py` (re-exported here).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,7 +72,10 @@ def compile_with_guard_hook(
         on_guard_fail(str(getattr(failure, "reason", failure)), where)
 
     return torch._dynamo.optimize(
-        backend, nopython=fullgraph, dynamic=dynamic, guard_fail_fn=guard_fail_fn,
+        backend,
+        nopython=fullgraph,
+        dynamic=dynamic,
+        guard_fail_fn=guard_fail_fn,
         isolate_recompiles=isolate_recompiles,
     )(fn)
 
@@ -179,8 +183,12 @@ def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:
     """
     from torch.optim import optimizer as optim_module
 
-    return (len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
-            + len(optim_module._global_optimizer_pre_hooks) + len(optim_module._global_optimizer_post_hooks))
+    return (
+        len(optimizer._optimizer_step_pre_hooks)
+        + len(optimizer._optimizer_step_post_hooks)
+        + len(optim_module._global_optimizer_pre_hooks)
+        + len(optim_module._global_optimizer_post_hooks)
+    )
 
 
 def aot_autograd_backend(**kwargs: Any) -> Callable[..., Any]:
@@ -287,7 +295,7 @@ def save_for_backward(forward: fx.GraphModule, backward: fx.GraphModule, fw_node
     outputs = list(fw_out.args[0])
     bw_placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
     n_saved = saved_count(backward.graph)
-    saved = outputs[len(outputs) - n_saved:]
+    saved = outputs[len(outputs) - n_saved :]
     for value, placeholder in zip(saved, bw_placeholders):
         if value is fw_node:
             return placeholder
@@ -332,8 +340,9 @@ def capture_functional(
             fw_compiler=keep, keep_inference_input_mutations=True, decompositions=decompositions or {}
         )(gm, example_inputs)
 
-    compiled = compile_with_guard_hook(fn, backend, on_guard_fail=lambda reason, where: None,
-                                       fullgraph=True, isolate_recompiles=True)
+    compiled = compile_with_guard_hook(
+        fn, backend, on_guard_fail=lambda reason, where: None, fullgraph=True, isolate_recompiles=True
+    )
     with torch.no_grad():
         compiled(*args)
     return captured["graph"], captured["positions"]

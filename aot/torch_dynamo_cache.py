@@ -5,6 +5,7 @@ Each function says which torch 2.13 file it mirrors; `tests/single/test_torch_in
 canary. `aot/torch_dynamo.py` holds Dynamo's and AOTAutograd's graph internals; this module only
 watches the caches.
 """
+
 from __future__ import annotations
 
 import contextlib

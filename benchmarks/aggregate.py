@@ -3,6 +3,7 @@
 Every function here is pure (dicts in, dicts out) except `machine_description`; results.json of older runs
 (no breakdown, no profiler, no steady-state peak) aggregate too, with those fields left out.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -101,8 +102,12 @@ def aggregate_mode(jobs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
         breakdown = first_step_breakdown(of_kind)
         if breakdown is not None:
             out.setdefault("first_step", {})[kind] = breakdown
-    steady_compiles = [(j["job_id"], r["rank"], r["compile"]["timed_steps_with_compile"]) for j in timing
-                       for r in j["ranks"] if (r.get("compile") or {}).get("timed_steps_with_compile")]
+    steady_compiles = [
+        (j["job_id"], r["rank"], r["compile"]["timed_steps_with_compile"])
+        for j in timing
+        for r in j["ranks"]
+        if (r.get("compile") or {}).get("timed_steps_with_compile")
+    ]
     if steady_compiles:
         out["compiles_after_warmup"] = steady_compiles
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for j in timing for r in j["ranks"])
@@ -149,8 +154,19 @@ def _overlap_of(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
         return rank0
     per_rank = [r["overlap"].get("median_overlap_percent") for r in job["ranks"]]
     return {
-        **{k: rank0.get(k) for k in ("recorded", "median_exposed_ms", "median_comm_ms", "buckets",
-                                      "observed_buckets", "alignment", "alignment_text", "timeline_png")},
+        **{
+            k: rank0.get(k)
+            for k in (
+                "recorded",
+                "median_exposed_ms",
+                "median_comm_ms",
+                "buckets",
+                "observed_buckets",
+                "alignment",
+                "alignment_text",
+                "timeline_png",
+            )
+        },
         "overlap_percent_per_rank": per_rank,
         "overlap_percent": _median([p for p in per_rank if p is not None]),
     }
@@ -164,8 +180,7 @@ def _profile_of(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
         return {"measured": False, "reason": failed[0]["errors"][0]} if failed else None
     job = profiled[-1]
     ranks = [r["profile"] for r in job["ranks"]]
-    out: dict[str, Any] = {"job_id": job["job_id"],
-                           "tensor_peak_mb_per_rank": [p.get("tensor_peak_mb") for p in ranks]}
+    out: dict[str, Any] = {"job_id": job["job_id"], "tensor_peak_mb_per_rank": [p.get("tensor_peak_mb") for p in ranks]}
     rank0 = ranks[0]
     if not rank0.get("measured"):
         return {**out, "measured": False, "reason": rank0.get("reason")}
@@ -218,8 +233,7 @@ def _warmup_compile(agg: dict[str, Any], kind: str) -> float | None:
 def _gated(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """(the modes the gates judge, the bracket modes present): floor trains every rank on its own data and
     comm_only trains nothing, so neither can end where eager DDP ends; they are listed, not judged."""
-    return ({m: a for m, a in modes.items() if m not in BRACKET_MODES},
-            [m for m in modes if m in BRACKET_MODES])
+    return ({m: a for m, a in modes.items() if m not in BRACKET_MODES}, [m for m in modes if m in BRACKET_MODES])
 
 
 def loss_agreement(modes: dict[str, dict[str, Any]], *, rtol: float, atol: float) -> dict[str, Any]:
@@ -231,21 +245,31 @@ def loss_agreement(modes: dict[str, dict[str, Any]], *, rtol: float, atol: float
     ref_mode = "eager" if "eager" in finished else next(iter(finished))
     ref = finished[ref_mode]
     tol = atol + rtol * abs(ref)
-    disagree = [
-        {"mode": m, "loss": v, "diff": v - ref} for m, v in finished.items() if abs(v - ref) > tol
-    ]
+    disagree = [{"mode": m, "loss": v, "diff": v - ref} for m, v in finished.items() if abs(v - ref) > tol]
     # the same mode must also agree with itself across jobs (cold vs warm, rounds)
     unstable = [
         {"mode": m, "losses": a["final_loss_jobs"]}
         for m, a in modes.items()
         if a["status"] == "ok" and max(a["final_loss_jobs"]) - min(a["final_loss_jobs"]) > tol
     ]
-    return {"ok": not disagree and not unstable, "reference": ref_mode, "reference_loss": ref,
-            "tolerance": tol, "disagree": disagree, "unstable": unstable, "exempt": exempt}
+    return {
+        "ok": not disagree and not unstable,
+        "reference": ref_mode,
+        "reference_loss": ref,
+        "tolerance": tol,
+        "disagree": disagree,
+        "unstable": unstable,
+        "exempt": exempt,
+    }
 
 
-def param_agreement(modes: dict[str, dict[str, Any]], *, rtol: float, rtol_by_mode: dict[str, float] | None = None,
-                    loosened_because: str = "") -> dict[str, Any]:
+def param_agreement(
+    modes: dict[str, dict[str, Any]],
+    *,
+    rtol: float,
+    rtol_by_mode: dict[str, float] | None = None,
+    loosened_because: str = "",
+) -> dict[str, Any]:
     """Did every finished mode end with eager's parameters? The gate of the cross-mode comparison.
 
     Each mode's rank-0 parameter fingerprint must be within `rtol` (`checksum_distance`) of eager's, or
@@ -260,21 +284,43 @@ def param_agreement(modes: dict[str, dict[str, Any]], *, rtol: float, rtol_by_mo
     with_sum = {m: a for m, a in finished.items() if "param_checksum" in a}
     missing = sorted(set(finished) - set(with_sum))
     if not with_sum:
-        return {"ok": None, "reference": None, "rtol": rtol, "distance": {}, "disagree": [],
-                "ranks_disagree": [], "unstable": [], "missing": missing, "exempt": exempt}
+        return {
+            "ok": None,
+            "reference": None,
+            "rtol": rtol,
+            "distance": {},
+            "disagree": [],
+            "ranks_disagree": [],
+            "unstable": [],
+            "missing": missing,
+            "exempt": exempt,
+        }
     ref_mode = "eager" if "eager" in with_sum else next(iter(with_sum))
     ref = with_sum[ref_mode]["param_checksum"]
     distance = {m: checksum_distance(a["param_checksum"], ref) for m, a in with_sum.items()}
     disagree = [{"mode": m, "distance": d} for m, d in distance.items() if not d <= by_mode.get(m, rtol)]
-    ranks_disagree = [{"mode": m, "distance": a["rank_param_distance"]}
-                      for m, a in with_sum.items() if not a["rank_param_distance"] <= rtol]
-    unstable = [{"mode": m, "distance": max(checksum_distance(c, a["param_checksum"]) for c in a["param_checksum_jobs"])}
-                for m, a in with_sum.items()
-                if not all(checksum_distance(c, a["param_checksum"]) <= rtol for c in a["param_checksum_jobs"])]
-    return {"ok": not disagree and not ranks_disagree and not unstable and not missing, "reference": ref_mode,
-            "rtol": rtol, "distance": distance, "disagree": disagree, "ranks_disagree": ranks_disagree,
-            "unstable": unstable, "missing": missing, "exempt": exempt,
-            **({"rtol_by_mode": by_mode, "loosened_because": loosened_because} if by_mode else {})}
+    ranks_disagree = [
+        {"mode": m, "distance": a["rank_param_distance"]}
+        for m, a in with_sum.items()
+        if not a["rank_param_distance"] <= rtol
+    ]
+    unstable = [
+        {"mode": m, "distance": max(checksum_distance(c, a["param_checksum"]) for c in a["param_checksum_jobs"])}
+        for m, a in with_sum.items()
+        if not all(checksum_distance(c, a["param_checksum"]) <= rtol for c in a["param_checksum_jobs"])
+    ]
+    return {
+        "ok": not disagree and not ranks_disagree and not unstable and not missing,
+        "reference": ref_mode,
+        "rtol": rtol,
+        "distance": distance,
+        "disagree": disagree,
+        "ranks_disagree": ranks_disagree,
+        "unstable": unstable,
+        "missing": missing,
+        "exempt": exempt,
+        **({"rtol_by_mode": by_mode, "loosened_because": loosened_because} if by_mode else {}),
+    }
 
 
 def aggregate(cfg: BenchConfig, jobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -289,12 +335,16 @@ def aggregate(cfg: BenchConfig, jobs: list[dict[str, Any]]) -> dict[str, Any]:
             "comparisons": comparisons(modes),
             "loss_agreement": loss_agreement(modes, rtol=cfg.loss_rtol, atol=cfg.loss_atol),
             "param_agreement": param_agreement(
-                modes, rtol=cfg.param_tolerance(), rtol_by_mode=cfg.param_tolerances(),
-                loosened_because=f"reduce_dtype={cfg.reduce_dtype}: 16-bit all-reduce, eager's is fp32"),
+                modes,
+                rtol=cfg.param_tolerance(),
+                rtol_by_mode=cfg.param_tolerances(),
+                loosened_because=f"reduce_dtype={cfg.reduce_dtype}: 16-bit all-reduce, eager's is fp32",
+            ),
             "bracket": bracket(modes),
             # --reduce-dtype reaches our in-graph modes only: their rows say so
-            "labels": {m: f"reduce_dtype={cfg.reduce_dtype}" for m in cfg.modes
-                       if cfg.reduce_dtype and m in IN_GRAPH_MODES},
+            "labels": {
+                m: f"reduce_dtype={cfg.reduce_dtype}" for m in cfg.modes if cfg.reduce_dtype and m in IN_GRAPH_MODES
+            },
         }
     return {
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

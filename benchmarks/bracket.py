@@ -15,6 +15,7 @@ comm_only (it adds more than its communication: overhead that is not communicati
 that contend with compute for the cores), above 100 % it is faster than the floor (noise, or a
 mode whose compiled compute beats the floor's). The clamped side is named in the table.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -47,17 +48,23 @@ def hidden_share(mode_ms: float, floor_ms: float, comm_only_ms: float) -> tuple[
 def bracket(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The bracket of one workload and every other finished mode's place in it."""
     floor_ms, comm_ms = _ok_ms(modes, "floor"), _ok_ms(modes, "comm_only")
-    out: dict[str, Any] = {"floor_ms": floor_ms, "comm_only_ms": comm_ms,
-                           "upper_ms": floor_ms + comm_ms if floor_ms is not None and comm_ms is not None else None,
-                           "missing": [_why_missing(modes, m) for m in BRACKET_MODES if _ok_ms(modes, m) is None],
-                           "modes": {}}
+    out: dict[str, Any] = {
+        "floor_ms": floor_ms,
+        "comm_only_ms": comm_ms,
+        "upper_ms": floor_ms + comm_ms if floor_ms is not None and comm_ms is not None else None,
+        "missing": [_why_missing(modes, m) for m in BRACKET_MODES if _ok_ms(modes, m) is None],
+        "modes": {},
+    }
     if floor_ms is None:
         return out
     for mode in modes:
         mode_ms = _ok_ms(modes, mode)
         if mode in BRACKET_MODES or mode_ms is None:
             continue
-        row: dict[str, Any] = {"over_floor_ms": mode_ms - floor_ms, "over_floor_pct": 100.0 * (mode_ms - floor_ms) / floor_ms}
+        row: dict[str, Any] = {
+            "over_floor_ms": mode_ms - floor_ms,
+            "over_floor_pct": 100.0 * (mode_ms - floor_ms) / floor_ms,
+        }
         if comm_ms is not None:
             row["comm_hidden"], row["comm_hidden_raw"], row["clamped"] = hidden_share(mode_ms, floor_ms, comm_ms)
         out["modes"][mode] = row
@@ -74,9 +81,11 @@ def bracket_line(b: dict[str, Any] | None) -> str:
     if floor is None or comm is None:
         have = f"floor {floor:.1f} ms" if floor is not None else f"comm_only {comm:.1f} ms"
         return f"Bracket: {have} only ({'; '.join(b['missing'])}); comm hidden needs both."
-    return (f"**Bracket: floor {floor:.1f} ms** (compiled model + optimizer, no communication) **to floor + comm_only "
-            f"{b['upper_ms']:.1f} ms** ({floor:.1f} + {comm:.1f}: every all-reduce exposed). Over floor = mode - "
-            "floor; comm hidden = 1 - (mode - floor) / comm_only, clamped to 0-100 % (see Method).")
+    return (
+        f"**Bracket: floor {floor:.1f} ms** (compiled model + optimizer, no communication) **to floor + comm_only "
+        f"{b['upper_ms']:.1f} ms** ({floor:.1f} + {comm:.1f}: every all-reduce exposed). Over floor = mode - "
+        "floor; comm hidden = 1 - (mode - floor) / comm_only, clamped to 0-100 % (see Method)."
+    )
 
 
 def over_floor_cell(b: dict[str, Any] | None, mode: str) -> str:

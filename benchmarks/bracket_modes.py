@@ -19,6 +19,7 @@ smoke test compares the buckets with the ones DDP's comm hook really saw). Our i
 their own buckets (`ddp/bucketing/`: the first one is 1 MiB clamped to the cap), so their count can
 differ from DDP's by one; the bytes are the same.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -49,8 +50,13 @@ def build_floor(ctx: ModeContext) -> Step:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return Step(run=run, info=lambda: {"optimizer_compiled": "torch.compile(optimizer.step)",
-                                       "note": "no DDP, no communication: each rank trains its own copy"})
+    return Step(
+        run=run,
+        info=lambda: {
+            "optimizer_compiled": "torch.compile(optimizer.step)",
+            "note": "no DDP, no communication: each rank trains its own copy",
+        },
+    )
 
 
 def ddp_buckets(ddp: DDP) -> list[list[tuple[str, torch.nn.Parameter]]]:
@@ -60,8 +66,10 @@ def ddp_buckets(ddp: DDP) -> list[list[tuple[str, torch.nn.Parameter]]]:
         cap = ddp.bucket_bytes_cap
         assign = dist._compute_bucket_assignment_by_size
     except AttributeError as err:
-        raise ModeUnavailable(f"this torch has no DDP bucket layout to copy ({err}); comm_only needs "
-                              "DDP._bucket_config and dist._compute_bucket_assignment_by_size (torch 2.13)") from err
+        raise ModeUnavailable(
+            f"this torch has no DDP bucket layout to copy ({err}); comm_only needs "
+            "DDP._bucket_config and dist._compute_bucket_assignment_by_size (torch 2.13)"
+        ) from err
     ignored = set(getattr(ddp, "parameters_to_ignore", ()))
     named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored][::-1]
     limits = [first_cap, cap] if first_cap < cap else [cap]
@@ -75,8 +83,9 @@ def build_comm_only(ctx: ModeContext) -> Step:
     buckets = ddp_buckets(ctx.ddp)
     wire = WIRE_DTYPES[ctx.comm_hook]
     # zeros: sums stay zero, so no step ever reduces infinities or denormals (both can be slower to add)
-    buffers = [torch.zeros(sum(p.numel() for _, p in b), dtype=wire or b[0][1].dtype, device=b[0][1].device)
-               for b in buckets]
+    buffers = [
+        torch.zeros(sum(p.numel() for _, p in b), dtype=wire or b[0][1].dtype, device=b[0][1].device) for b in buckets
+    ]
     group = ctx.ddp.process_group
     no_loss = torch.zeros(())
 

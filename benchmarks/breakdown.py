@@ -30,6 +30,7 @@ Cache counters come from `torch._dynamo.utils.counters` (fxgraph_cache_* under "
 autograd_cache_* under "aot_autograd"). With `TORCHINDUCTOR_COMPILE_THREADS` > 1, C++ compiles run in
 worker processes whose timers we cannot see: the runner pins it to 1.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,13 @@ CPP = "compile_file"
 
 COUNTERS: dict[str, tuple[str, ...]] = {
     "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
-    "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass",
-                     "autograd_cache_guard_miss", "autograd_cache_saved"),
+    "aot_autograd": (
+        "autograd_cache_hit",
+        "autograd_cache_miss",
+        "autograd_cache_bypass",
+        "autograd_cache_guard_miss",
+        "autograd_cache_saved",
+    ),
     "stats": ("unique_graphs",),
     "frames": ("total",),
 }

@@ -7,6 +7,7 @@ rank's update follows its own gradient. So every rank records, per parameter, th
 `checksum_distance` measures how far two such fingerprints are apart, relative to the update's size.
 A matching mode is ~1e-7..1e-6 away from eager (rounding), a mode without all-reduce ~1e-1..1.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,9 @@ def param_checksum(final: Mapping[str, Any], initial: Mapping[str, Any]) -> dict
 
     norms, dots = [], []
     for i, (name, p) in enumerate(final.items()):
-        delta = p.detach().to("cpu", torch.float64).flatten() - initial[name].detach().to("cpu", torch.float64).flatten()
+        delta = (
+            p.detach().to("cpu", torch.float64).flatten() - initial[name].detach().to("cpu", torch.float64).flatten()
+        )
         direction = torch.randn(delta.numel(), dtype=torch.float64, generator=torch.Generator().manual_seed(1000 + i))
         norms.append(delta.norm().item())
         dots.append(torch.dot(delta, direction).item())

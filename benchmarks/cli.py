@@ -1,4 +1,5 @@
 """`python -m benchmarks`: side-by-side DDP + compile benchmark (see BENCHMARKS.md for the last full run)."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,11 +10,18 @@ import sys
 from pathlib import Path
 
 from benchmarks.config import (
-    COMPILE_WORKLOAD, MODES, OPTIMIZERS, TINY_PRESET, WORKLOAD_NAMES, BenchConfig, Workload, full_workloads,
+    COMPILE_WORKLOAD,
+    MODES,
+    OPTIMIZERS,
+    TINY_PRESET,
+    WORKLOAD_NAMES,
+    BenchConfig,
+    Workload,
+    full_workloads,
 )
-from examples.gpt_config import GPTConfig
 from benchmarks.deps import missing
 from benchmarks.runner import REPO_ROOT
+from examples.gpt_config import GPTConfig
 
 PRESETS = {
     # (rounds, warmup, steps); quick and smoke also shrink the model (GPT preset TINY_PRESET)
@@ -34,20 +42,32 @@ def _batch(text: str) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     preset = p.add_mutually_exclusive_group()
-    preset.add_argument("--quick", action="store_true",
-                        help="tiny model, 1 round, one job per mode with the overlap measured inside it "
-                             "(about 10 minutes on 2 cores)")
-    preset.add_argument("--smoke", action="store_true",
-                        help="tiny model, 2 steps (+1 profiled), every mode, one job per mode, no timing claims (CI)")
+    preset.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny model, 1 round, one job per mode with the overlap measured inside it (about 10 minutes on 2 cores)",
+    )
+    preset.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model, 2 steps (+1 profiled), every mode, one job per mode, no timing claims (CI)",
+    )
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
-    p.add_argument("--workloads", default=None,
-                   help="comma list from compute,comm,compile (default all three; --quick: comm only; "
-                        f"compile = GPT {COMPILE_WORKLOAD.model.n_layers} blocks d={COMPILE_WORKLOAD.model.d_model}, "
-                        "1 MiB buckets, for cold/warm first-step times)")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="comma list from compute,comm,compile (default all three; --quick: comm only; "
+        f"compile = GPT {COMPILE_WORKLOAD.model.n_layers} blocks d={COMPILE_WORKLOAD.model.d_model}, "
+        "1 MiB buckets, for cold/warm first-step times)",
+    )
     p.add_argument("--backend", default=None, help="inductor (default), aot_eager (smoke default) or eager")
-    p.add_argument("--optimizer", default=None, choices=sorted(OPTIMIZERS),
-                   help="adamw (default: AdamW lr 1e-3, weight decay 0.01) or sgd (smoke default: SGD lr 0.05, "
-                        "momentum 0.9, the sharper parameter gate); the same optimizer in every mode")
+    p.add_argument(
+        "--optimizer",
+        default=None,
+        choices=sorted(OPTIMIZERS),
+        help="adamw (default: AdamW lr 1e-3, weight decay 0.01) or sgd (smoke default: SGD lr 0.05, "
+        "momentum 0.9, the sharper parameter gate); the same optimizer in every mode",
+    )
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the optimizer's, above)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per job (first one compiles)")
@@ -58,39 +78,74 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--compute-batch", type=_batch, default=None, help="per-rank BATCHxSEQ (default 8x128)")
     p.add_argument("--comm-batch", type=_batch, default=None, help="per-rank BATCHxSEQ (default 2x64)")
-    p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="DDP bucket cap for EVERY workload (default: compute 25 = DDP's, comm 4, compile 1; "
-                        "--quick/--smoke: 1)")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP bucket cap for EVERY workload (default: compute 25 = DDP's, comm 4, compile 1; --quick/--smoke: 1)",
+    )
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--timeout", type=float, default=None, help="seconds per job before its ranks are killed")
     p.add_argument("--no-cold-warm", action="store_true", help="one job per compiled mode per round")
     p.add_argument("--no-scaling", action="store_true", help="skip the 1-rank jobs")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap measurements (recorder, profiler)")
-    p.add_argument("--profile-steps", type=int, default=None,
-                   help="steps profiled for the profiler overlap and tensor peak (default 2; smoke 1; 0: none)")
-    p.add_argument("--no-plot", action="store_true",
-                   help="no chart or timeline PNGs (then matplotlib is not needed)")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=None,
+        help="steps profiled for the profiler overlap and tensor peak (default 2; smoke 1; 0: none)",
+    )
+    p.add_argument("--no-plot", action="store_true", help="no chart or timeline PNGs (then matplotlib is not needed)")
     p.add_argument("--loss-rtol", type=float, default=1e-3)
-    p.add_argument("--param-rtol", type=float, default=None,
-                   help="max distance of a mode's final parameters from eager's (default: SGD 1e-5 for "
-                        "aot_eager/eager, 1e-3 for inductor; AdamW 1e-3 and 1e-2; see BenchConfig.param_rtol)")
-    p.add_argument("--link-gbit", type=float, default=None, metavar="X",
-                   help="run every job in its own network namespace with its loopback shaped to X Gbit/s "
-                        "(tc tbf; needs root, unshare, nsenter, ip, tc: checked before the first job)")
-    p.add_argument("--comm-hook", choices=("none", "fp16"), default="none",
-                   help="fp16: register DDP's fp16_compress_hook on every mode's DDP object (comm_only then "
-                        "all-reduces fp16; floor has no DDP)")
-    p.add_argument("--reduce-dtype", choices=("bf16", "fp16"), default=None,
-                   help="reduce_dtype= for our ddp='in_graph' modes only; other modes unchanged")
+    p.add_argument(
+        "--param-rtol",
+        type=float,
+        default=None,
+        help="max distance of a mode's final parameters from eager's (default: SGD 1e-5 for "
+        "aot_eager/eager, 1e-3 for inductor; AdamW 1e-3 and 1e-2; see BenchConfig.param_rtol)",
+    )
+    p.add_argument(
+        "--link-gbit",
+        type=float,
+        default=None,
+        metavar="X",
+        help="run every job in its own network namespace with its loopback shaped to X Gbit/s "
+        "(tc tbf; needs root, unshare, nsenter, ip, tc: checked before the first job)",
+    )
+    p.add_argument(
+        "--comm-hook",
+        choices=("none", "fp16"),
+        default="none",
+        help="fp16: register DDP's fp16_compress_hook on every mode's DDP object (comm_only then "
+        "all-reduces fp16; floor has no DDP)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="reduce_dtype= for our ddp='in_graph' modes only; other modes unchanged",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", type=Path, default=None,
-                   help="default bench_out/<preset>; with --render, where results.json and the chart are rewritten "
-                        "(default: the out dir the results.json recorded)")
-    p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
-                   help="run nothing: rebuild table, chart, JSON and report from an earlier results.json")
-    p.add_argument("--markdown", type=Path, default=None,
-                   help="report path (default: BENCHMARKS.md in the repo for full runs, OUT_DIR/BENCHMARKS.md "
-                        "otherwise)")
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="default bench_out/<preset>; with --render, where results.json and the chart are rewritten "
+        "(default: the out dir the results.json recorded)",
+    )
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="RESULTS_JSON",
+        help="run nothing: rebuild table, chart, JSON and report from an earlier results.json",
+    )
+    p.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="report path (default: BENCHMARKS.md in the repo for full runs, OUT_DIR/BENCHMARKS.md otherwise)",
+    )
     return p
 
 
@@ -122,8 +177,9 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     wanted = [w.strip() for w in workloads.split(",") if w.strip()]
     unknown = [w for w in wanted if w not in WORKLOAD_NAMES]
     if unknown or not wanted:
-        raise ValueError(f"--workloads {workloads!r}: unknown {unknown}; use a comma list from "
-                         f"{','.join(WORKLOAD_NAMES)}")
+        raise ValueError(
+            f"--workloads {workloads!r}: unknown {unknown}; use a comma list from {','.join(WORKLOAD_NAMES)}"
+        )
     if args.profile_steps is not None and args.profile_steps < 0:
         raise ValueError(f"--profile-steps {args.profile_steps}: pass 0 (no profiling) or more")
     out_dir = args.out_dir or (REPO_ROOT / "bench_out" / preset)
@@ -162,8 +218,9 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     )
 
 
-def config_from_json(data: dict, *, markdown: Path | None, plot: bool = True,
-                     out_dir: Path | None = None) -> BenchConfig:
+def config_from_json(
+    data: dict, *, markdown: Path | None, plot: bool = True, out_dir: Path | None = None
+) -> BenchConfig:
     """The BenchConfig an earlier run recorded in its results.json (older runs: SGD, no profiler, the model's
     shape recorded flat); `markdown` and `out_dir` replace the recorded ones when given."""
     raw = dict(data["config"])
@@ -249,9 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.suite import run_suite
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"benchmark ({cfg.preset}): {len(cfg.workloads)} workload(s) x {len(cfg.modes)} modes x "
-          f"{cfg.rounds} round(s), backend {cfg.backend}, {cfg.describe_optimizer()}; output in {cfg.out_dir}",
-          flush=True)
+    print(
+        f"benchmark ({cfg.preset}): {len(cfg.workloads)} workload(s) x {len(cfg.modes)} modes x "
+        f"{cfg.rounds} round(s), backend {cfg.backend}, {cfg.describe_optimizer()}; output in {cfg.out_dir}",
+        flush=True,
+    )
     jobs = run_suite(cfg, log=lambda line: print(line, flush=True))
     _publish(cfg, jobs)
     return 0

@@ -1,4 +1,5 @@
 """Benchmark configuration: workloads, modes, optimizers, presets. Everything is validated on construction."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,15 +29,15 @@ MODES: tuple[str, ...] = (
 
 MODE_HELP: dict[str, str] = {
     "floor": "bracket, lower end: torch.compile(model) + torch.compile'd optimizer.step() on every rank at once, "
-             "no DDP and no communication (each rank trains its own copy)",
+    "no DDP and no communication (each rank trains its own copy)",
     "comm_only": "bracket, communication: the all-reduce of DDP's buckets for this model and cap (same sizes and "
-                 "dtype), issued back to back asynchronously and waited for, nothing else",
+    "dtype), issued back to back asynchronously and waited for, nothing else",
     "eager": "eager DDP + eager optimizer",
     "torch_ddpopt": "torch.compile(ddp_model), PyTorch's DDPOptimizer (optimize_ddp=True) + eager optimizer",
     "torch_nosplit": "torch.compile(ddp_model), optimize_ddp=False (one graph, no overlap) + eager optimizer",
     "torch_python_reducer": "compiled autograd + optimize_ddp='python_reducer' + eager optimizer",
     "torch_savvy": "torch.compile(ddp_model) (DDPOptimizer) + torch.compile'd optimizer.step(): the strongest "
-                   "PyTorch-only setup",
+    "PyTorch-only setup",
     "ours_compile": "compile_core.compile(ddp_model) (ddp='split') + eager optimizer",
     "ours_in_graph": "compile_core.compile(ddp_model, ddp='in_graph') + eager optimizer",
     "ours_step": "compile_core.train_step (ddp='split'; forward+backward+optimizer captured)",
@@ -106,16 +107,20 @@ class Workload:
         if not self.name or not all(c.isalnum() or c in "_-" for c in self.name):
             raise ValueError(f"Workload.name={self.name!r}: use letters, digits, '_' or '-' (it names files)")
         if not isinstance(self.model, GPTConfig):
-            raise TypeError(f"Workload({self.name}).model={self.model!r}: pass a GPTConfig (examples/gpt_config.py); "
-                            "Workload.from_dict reads a recorded one")
+            raise TypeError(
+                f"Workload({self.name}).model={self.model!r}: pass a GPTConfig (examples/gpt_config.py); "
+                "Workload.from_dict reads a recorded one"
+            )
         for field in ("batch", "seq_len"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Workload({self.name}).{field}={value!r}: must be a positive int")
         cap = self.bucket_cap_mb
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
-            raise ValueError(f"Workload({self.name}).bucket_cap_mb={self.bucket_cap_mb!r}: pass a positive MiB "
-                             "value, or None for the config's cap")
+            raise ValueError(
+                f"Workload({self.name}).bucket_cap_mb={self.bucket_cap_mb!r}: pass a positive MiB "
+                "value, or None for the config's cap"
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Workload:
@@ -245,8 +250,10 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.bucket_cap_mb={self.bucket_cap_mb!r}: pass a positive MiB value or omit it")
         if self.lr is not None and not self.lr > 0:
             defaults = ", ".join(f"{name} {kwargs['lr']:g}" for name, kwargs in OPTIMIZERS.items())
-            raise ValueError(f"BenchConfig.lr={self.lr!r}: pass a positive learning rate, or None for the "
-                             f"optimizer's default ({defaults})")
+            raise ValueError(
+                f"BenchConfig.lr={self.lr!r}: pass a positive learning rate, or None for the "
+                f"optimizer's default ({defaults})"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"BenchConfig.timeout_s={self.timeout_s!r}: pass a positive number of seconds")
         if self.param_rtol is not None and not self.param_rtol > 0:
@@ -264,22 +271,32 @@ class BenchConfig:
             LinkShape(rate_gbit=self.link_gbit)  # validates the rate, naming --link-gbit
         if self.comm_hook is not None:
             if self.comm_hook not in COMM_HOOKS:
-                raise ValueError(f"BenchConfig.comm_hook={self.comm_hook!r}: use None or one of {list(COMM_HOOKS)} "
-                                 "(--comm-hook none|fp16; DDP refuses bf16_compress_hook without CUDA + NCCL)")
+                raise ValueError(
+                    f"BenchConfig.comm_hook={self.comm_hook!r}: use None or one of {list(COMM_HOOKS)} "
+                    "(--comm-hook none|fp16; DDP refuses bf16_compress_hook without CUDA + NCCL)"
+                )
             if set(self.modes) <= {"floor"}:
-                raise ValueError(f"--comm-hook {self.comm_hook} changes none of the modes {list(self.modes)} (floor "
-                                 "has no DDP object): add a DDP mode to --modes or drop --comm-hook")
+                raise ValueError(
+                    f"--comm-hook {self.comm_hook} changes none of the modes {list(self.modes)} (floor "
+                    "has no DDP object): add a DDP mode to --modes or drop --comm-hook"
+                )
         if self.reduce_dtype is not None:
             if self.reduce_dtype not in REDUCE_DTYPES:
-                raise ValueError(f"BenchConfig.reduce_dtype={self.reduce_dtype!r}: use None or one of "
-                                 f"{list(REDUCE_DTYPES)} (--reduce-dtype bf16|fp16)")
+                raise ValueError(
+                    f"BenchConfig.reduce_dtype={self.reduce_dtype!r}: use None or one of "
+                    f"{list(REDUCE_DTYPES)} (--reduce-dtype bf16|fp16)"
+                )
             if not IN_GRAPH_MODES & set(self.modes):
-                raise ValueError(f"--reduce-dtype {self.reduce_dtype} applies to {sorted(IN_GRAPH_MODES)} only, and "
-                                 f"none of them is in --modes {','.join(self.modes)}: add one or drop --reduce-dtype")
+                raise ValueError(
+                    f"--reduce-dtype {self.reduce_dtype} applies to {sorted(IN_GRAPH_MODES)} only, and "
+                    f"none of them is in --modes {','.join(self.modes)}: add one or drop --reduce-dtype"
+                )
             if self.comm_hook is not None and self.comm_hook != self.reduce_dtype:
-                raise ValueError(f"--reduce-dtype {self.reduce_dtype} conflicts with --comm-hook {self.comm_hook} "
-                                 f"(the in-graph modes would all-reduce in {self.comm_hook}, as the hook says, and "
-                                 "compile_core refuses the pair): drop one of them")
+                raise ValueError(
+                    f"--reduce-dtype {self.reduce_dtype} conflicts with --comm-hook {self.comm_hook} "
+                    f"(the in-graph modes would all-reduce in {self.comm_hook}, as the hook says, and "
+                    "compile_core refuses the pair): drop one of them"
+                )
 
     def link(self) -> LinkShape | None:
         """The loopback shaping of every job (None: the plain loopback)."""
@@ -324,25 +341,44 @@ class BenchConfig:
 
 
 def full_workloads(
-    *, model: GPTConfig = GPT_PRESETS["bench"], compute_batch: tuple[int, int] = (8, 128),
-    comm_batch: tuple[int, int] = (2, 64), comm_cap_mb: float | None = 4.0,
+    *,
+    model: GPTConfig = GPT_PRESETS["bench"],
+    compute_batch: tuple[int, int] = (8, 128),
+    comm_batch: tuple[int, int] = (2, 64),
+    comm_cap_mb: float | None = 4.0,
 ) -> tuple[Workload, ...]:
     """The standard workloads: compute- and communication-heavy batches on one model, plus `compile`."""
     return (
-        Workload(name="compute", model=model, batch=compute_batch[0], seq_len=compute_batch[1],
-                 purpose="compute-heavy step: large per-rank batch, DDP's default buckets"),
+        Workload(
+            name="compute",
+            model=model,
+            batch=compute_batch[0],
+            seq_len=compute_batch[1],
+            purpose="compute-heavy step: large per-rank batch, DDP's default buckets",
+        ),
         # the issue-11/12 comm-heavy comparison: small batch, 4 MiB buckets (~14 buckets on this model)
-        Workload(name="comm", model=model, batch=comm_batch[0], seq_len=comm_batch[1], bucket_cap_mb=comm_cap_mb,
-                 purpose="communication-heavy step: small per-rank batch, small buckets"),
+        Workload(
+            name="comm",
+            model=model,
+            batch=comm_batch[0],
+            seq_len=comm_batch[1],
+            bucket_cap_mb=comm_cap_mb,
+            purpose="communication-heavy step: small per-rank batch, small buckets",
+        ),
         COMPILE_WORKLOAD,
     )
 
 
 COMPILE_WORKLOAD = Workload(
-    name="compile", model=GPT_PRESETS["bench_compile"], batch=2, seq_len=64,
-    bucket_cap_mb=1.0, scaling=False, overlap=False,
+    name="compile",
+    model=GPT_PRESETS["bench_compile"],
+    batch=2,
+    seq_len=64,
+    bucket_cap_mb=1.0,
+    scaling=False,
+    overlap=False,
     purpose=f"compile time: {GPT_PRESETS['bench_compile'].n_layers} blocks at 1 MiB buckets (many graph pieces); "
-            "read the cold/warm first step",
+    "read the cold/warm first step",
 )
 """The issue-10 shape: first-step (compile) wall time, cold and warm; no 1-rank or overlap jobs."""
 

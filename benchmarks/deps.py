@@ -1,6 +1,7 @@
 """What `python -m benchmarks` needs, checked before any job runs (a missing package must not fail a run
 after minutes of measurements). `find_spec` locates a package without importing it: the check takes
 milliseconds, torch included."""
+
 from __future__ import annotations
 
 import importlib.util

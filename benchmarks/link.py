@@ -16,6 +16,7 @@ goes with its last process: nothing is left behind in either case.
 `netem` (delay, loss) is not available on every kernel (it is not on our dev machines); `tbf` is, so the
 link is shaped by rate only. `unavailable_reason` checks all of this before the first job of a run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,12 +65,26 @@ class LinkShape:
 
     def qdisc_args(self) -> list[str]:
         """Arguments of `tc` that add the qdisc to `lo`."""
-        return ["qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{self.rate_bits()}bit",
-                "burst", self.burst, "latency", self.latency]
+        return [
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            f"{self.rate_bits()}bit",
+            "burst",
+            self.burst,
+            "latency",
+            self.latency,
+        ]
 
     def describe(self) -> str:
-        return (f"loopback shaped to {self.rate_gbit:g} Gbit/s (tc tbf rate {self.rate_gbit:g}gbit burst {self.burst} "
-                f"latency {self.latency}) in a fresh network namespace per job")
+        return (
+            f"loopback shaped to {self.rate_gbit:g} Gbit/s (tc tbf rate {self.rate_gbit:g}gbit burst {self.burst} "
+            f"latency {self.latency}) in a fresh network namespace per job"
+        )
 
 
 def find_tools(path: str | None = None) -> tuple[dict[str, str], list[str]]:
@@ -84,8 +99,9 @@ def find_tools(path: str | None = None) -> tuple[dict[str, str], list[str]]:
     return found, missing
 
 
-def unavailable_reason(shape: LinkShape, *, path: str | None = None, euid: int | None = None,
-                       trial_timeout_s: float = 20.0) -> str | None:
+def unavailable_reason(
+    shape: LinkShape, *, path: str | None = None, euid: int | None = None, trial_timeout_s: float = 20.0
+) -> str | None:
     """None when jobs can run on the shaped link; otherwise one line naming what is missing.
 
     Checks the tools on `path` ($PATH), root, then makes a trial namespace exactly as a job does and
@@ -101,17 +117,27 @@ def unavailable_reason(shape: LinkShape, *, path: str | None = None, euid: int |
     if not problems:
         try:
             with ShapedNamespace(shape, tools=tools, start_timeout_s=trial_timeout_s) as ns:
-                shown = subprocess.run([*ns.prefix(), tools["tc"], "qdisc", "show", "dev", "lo"], check=False,
-                                       capture_output=True, text=True, timeout=trial_timeout_s)
+                shown = subprocess.run(
+                    [*ns.prefix(), tools["tc"], "qdisc", "show", "dev", "lo"],
+                    check=False,
+                    capture_output=True,
+                    text=True,
+                    timeout=trial_timeout_s,
+                )
             if shown.returncode != 0 or " tbf " not in f" {shown.stdout} ":
-                problems.append(f"the trial namespace shows no tbf qdisc on lo: {(shown.stdout + shown.stderr).strip()!r}")
+                problems.append(
+                    f"the trial namespace shows no tbf qdisc on lo: {(shown.stdout + shown.stderr).strip()!r}"
+                )
         except (LinkError, OSError, subprocess.TimeoutExpired) as err:
             problems.append(f"the trial namespace failed: {err}")
     if not problems:
         return None
-    return (f"--link-gbit {shape.rate_gbit:g} cannot shape the link: " + "; ".join(problems)
-            + ". Each job runs in its own network namespace (unshare -n) with a tc tbf qdisc on its loopback; "
-            "run as root with those tools, or drop --link-gbit.")
+    return (
+        f"--link-gbit {shape.rate_gbit:g} cannot shape the link: "
+        + "; ".join(problems)
+        + ". Each job runs in its own network namespace (unshare -n) with a tc tbf qdisc on its loopback; "
+        "run as root with those tools, or drop --link-gbit."
+    )
 
 
 class ShapedNamespace:
@@ -129,15 +155,21 @@ class ShapedNamespace:
 
     def __enter__(self) -> Self:
         t = self._tools
-        script = " && ".join([
-            f"{shlex.quote(t['ip'])} link set lo up",
-            shlex.join([t["tc"], *self.shape.qdisc_args()]),
-            f"echo {READY}",
-            "exec cat >/dev/null",  # hold the namespace until the runner closes our stdin (or dies)
-        ])
+        script = " && ".join(
+            [
+                f"{shlex.quote(t['ip'])} link set lo up",
+                shlex.join([t["tc"], *self.shape.qdisc_args()]),
+                f"echo {READY}",
+                "exec cat >/dev/null",  # hold the namespace until the runner closes our stdin (or dies)
+            ]
+        )
         self._holder = subprocess.Popen(
-            [t["unshare"], "-n", "--", t["sh"], "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, start_new_session=True,
+            [t["unshare"], "-n", "--", t["sh"], "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         try:
             self._wait_ready()

@@ -11,6 +11,7 @@ gradients; this one is what the machine really has to provide.
 The reset also resets `ru_maxrss` (both read the kernel's one high-water mark), so `PeakTracker` keeps
 the process peak from before the reset itself.
 """
+
 from __future__ import annotations
 
 import re

@@ -4,6 +4,7 @@ Every builder gets the same DDP model and optimizer and returns a `Step`: `step(
 backward, optimizer step and zero_grad, and returns the loss (detached). `info()` reports what the mode
 could tell about itself (graph pieces, the compile report, planned buckets).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -118,8 +119,11 @@ def _build_torch_compile(ctx: ModeContext) -> Step:
     compiled = torch.compile(ctx.ddp, backend=ctx.backend)
     return Step(
         run=_eager_optimizer_step(ctx, compiled),
-        info=lambda: {"pieces_per_graph": counter.pieces, "pieces": sum(counter.pieces) or None,
-                      "ddpopt_cap_bytes": counter.cap_bytes},
+        info=lambda: {
+            "pieces_per_graph": counter.pieces,
+            "pieces": sum(counter.pieces) or None,
+            "ddpopt_cap_bytes": counter.cap_bytes,
+        },
     )
 
 
@@ -155,8 +159,12 @@ def build_torch_savvy(ctx: ModeContext) -> Step:
 
     return Step(
         run=run,
-        info=lambda: {"pieces_per_graph": counter.pieces, "pieces": sum(counter.pieces) or None,
-                      "ddpopt_cap_bytes": counter.cap_bytes, "optimizer_compiled": "torch.compile(optimizer.step)"},
+        info=lambda: {
+            "pieces_per_graph": counter.pieces,
+            "pieces": sum(counter.pieces) or None,
+            "ddpopt_cap_bytes": counter.cap_bytes,
+            "optimizer_compiled": "torch.compile(optimizer.step)",
+        },
     )
 
 
@@ -194,8 +202,9 @@ def _report_info(obj: Any) -> dict[str, Any]:
         # the all-reduces of the variant that ran last, in issue (backward) order: they label the profiler's
         # timeline (benchmarks/profile_overlap.py)
         last = [g for g in in_graph if g["variant"] == in_graph[-1]["variant"]]
-        extra["in_graph_buckets"] = [{"params": list(b["params"]), "bytes": b["bytes"]}
-                                     for g in reversed(last) for b in g.get("buckets", [])]
+        extra["in_graph_buckets"] = [
+            {"params": list(b["params"]), "bytes": b["bytes"]} for g in reversed(last) for b in g.get("buckets", [])
+        ]
     if "optimizer_in_backward" in data:  # a train_step report
         extra["optimizer_in_backward"] = data["optimizer_in_backward"]
         extra["optimizer_compiled"] = (data.get("optimizer") or {}).get("compiled")
@@ -240,8 +249,9 @@ def build_ours_in_graph(ctx: ModeContext) -> Step:
 def _ours_step(ctx: ModeContext, **options: Any) -> Step:
     import compile_core
 
-    step = compile_core.train_step(ctx.ddp, ctx.optimizer, lm_loss, backend=ctx.backend,
-                                   **_reduction(ctx, options["ddp"]), **options)
+    step = compile_core.train_step(
+        ctx.ddp, ctx.optimizer, lm_loss, backend=ctx.backend, **_reduction(ctx, options["ddp"]), **options
+    )
     # the backward runs inside the step, so the recorder falls back to the first bucket's ready time
     return Step(run=lambda x, y: step(x, y).detach(), info=lambda: _report_info(step))
 

@@ -10,6 +10,7 @@ Per job: the slowest rank's first step, compile seconds summed over all ranks (t
 each piece and optimizer chunk, waiting for another rank excluded), AOTAutograd misses, the median later
 step. Medians over rounds. Results: bench_out/nodes/results.json and a markdown table on stdout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,19 +24,30 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = {"1 node x 2 ranks": ["--nnodes", "1", "--nproc-per-node", "2"],
-           "2 nodes x 1 rank": ["--nnodes", "2", "--nproc-per-node", "1"]}
+LAYOUTS = {
+    "1 node x 2 ranks": ["--nnodes", "1", "--nproc-per-node", "2"],
+    "2 nodes x 1 rank": ["--nnodes", "2", "--nproc-per-node", "1"],
+}
 TWO_NODES = "2 nodes x 1 rank"
 
 
-def run_job(out: Path, layout: str, cache: Path, model: list[str], *, kill: str | None = None,
-            timeout: float = 1500) -> dict:
+def run_job(
+    out: Path, layout: str, cache: Path, model: list[str], *, kill: str | None = None, timeout: float = 1500
+) -> dict:
     """One launcher job; returns its per-rank records (and the death, for a restart job)."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "launch", *LAYOUTS[layout], "--inductor-cache-dir", str(cache),
-           "--log-dir", str(out / "logs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch",
+        *LAYOUTS[layout],
+        "--inductor-cache-dir",
+        str(cache),
+        "--log-dir",
+        str(out / "logs"),
+    ]
     if kill:
         cmd += ["--max-restarts", "1"]
     cmd += [str(REPO / "benchmarks" / "nodes_job.py"), *model, "--log-level", "WARNING"]
@@ -52,18 +64,25 @@ def run_job(out: Path, layout: str, cache: Path, model: list[str], *, kill: str 
         raise RuntimeError(f"{layout} job failed ({res.returncode}); see {out}/stderr.txt:\n{res.stderr[-2000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.attempt*.json"))]
     death = json.loads((out / "death.json").read_text()) if (out / "death.json").exists() else None
-    return {"layout": layout, "wall_s": time.time() - start, "ranks": ranks, "death": death,
-            "launcher": [line for line in res.stderr.splitlines() if line.startswith("launch: ")]}
+    return {
+        "layout": layout,
+        "wall_s": time.time() - start,
+        "ranks": ranks,
+        "death": death,
+        "launcher": [line for line in res.stderr.splitlines() if line.startswith("launch: ")],
+    }
 
 
 def summarize(job: dict) -> dict:
     last = max(r["attempt"] for r in job["ranks"])
     ranks = [r for r in job["ranks"] if r["attempt"] == last]
-    out = {"first_step_s": max(r["first_step_s"] for r in ranks),
-           "compile_s": sum(r["compile_s"] for r in ranks),
-           "aot_misses": sum(r["aot_misses"] for r in ranks),
-           "steady_ms": statistics.median(r["steady_ms"] for r in ranks if r["steady_ms"] is not None),
-           "sources": sorted(s for r in ranks for s in r["sources"])}
+    out = {
+        "first_step_s": max(r["first_step_s"] for r in ranks),
+        "compile_s": sum(r["compile_s"] for r in ranks),
+        "aot_misses": sum(r["aot_misses"] for r in ranks),
+        "steady_ms": statistics.median(r["steady_ms"] for r in ranks if r["steady_ms"] is not None),
+        "sources": sorted(s for r in ranks for s in r["sources"]),
+    }
     if job["death"] is not None:
         death = job["death"]["time"]
         out["death_to_step_s"] = max(r["first_step_end"] for r in ranks) - death
@@ -78,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=REPO / "bench_out" / "nodes")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--kill-step", type=int, default=6, help="step index at which rank 1 dies (restart job)")
-    p.add_argument("--model", default="--d-model 64 --layers 2 --vocab 256 --seq-len 32 --batch 4",
-                   help="demo arguments for the model and the per-rank batch (the same in both layouts)")
+    p.add_argument(
+        "--model",
+        default="--d-model 64 --layers 2 --vocab 256 --seq-len 32 --batch 4",
+        help="demo arguments for the model and the per-rank batch (the same in both layouts)",
+    )
     args = p.parse_args(argv)
     if args.rounds < 1 or args.kill_step < 2 or args.kill_step >= args.steps:
         p.error("--rounds >= 1 and 2 <= --kill-step < --steps")
@@ -96,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {rnd} {layout} {phase}: {json.dumps(summarize(job))}", flush=True)
         cache = args.out_dir / f"r{rnd}" / "restart" / "cache"
         shutil.rmtree(cache, ignore_errors=True)
-        job = run_job(args.out_dir / f"r{rnd}" / "restart" / "job", TWO_NODES, cache, model,
-                      kill=f"1:{args.kill_step}")
+        job = run_job(args.out_dir / f"r{rnd}" / "restart" / "job", TWO_NODES, cache, model, kill=f"1:{args.kill_step}")
         jobs.append({**job, "round": rnd, "phase": "restart", **summarize(job)})
         print(f"round {rnd} restart: {json.dumps(summarize(job))} {job['launcher']}", flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -113,14 +134,22 @@ def _median(jobs: list[dict], layout: str, phase: str, key: str) -> float:
 def table(jobs: list[dict]) -> str:
     """The BENCHMARKS.md table: medians over rounds, and the issue's ratios."""
     one, two = LAYOUTS
-    rows = ["| layout | first step cold (slowest rank) | first step warm | compile s cold, summed over ranks | "
-            "compile s warm | AOT misses cold / warm | steady step ms |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| layout | first step cold (slowest rank) | first step warm | compile s cold, summed over ranks | "
+        "compile s warm | AOT misses cold / warm | steady step ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for layout in LAYOUTS:
-        m = {(ph, k): _median(jobs, layout, ph, k) for ph in ("cold", "warm")
-             for k in ("first_step_s", "compile_s", "aot_misses", "steady_ms")}
-        rows.append(f"| {layout} | {m['cold', 'first_step_s']:.1f} s | {m['warm', 'first_step_s']:.2f} s | "
-                    f"{m['cold', 'compile_s']:.1f} | {m['warm', 'compile_s']:.2f} | {m['cold', 'aot_misses']:g} / "
-                    f"{m['warm', 'aot_misses']:g} | {m['warm', 'steady_ms']:.1f} |")
+        m = {
+            (ph, k): _median(jobs, layout, ph, k)
+            for ph in ("cold", "warm")
+            for k in ("first_step_s", "compile_s", "aot_misses", "steady_ms")
+        }
+        rows.append(
+            f"| {layout} | {m['cold', 'first_step_s']:.1f} s | {m['warm', 'first_step_s']:.2f} s | "
+            f"{m['cold', 'compile_s']:.1f} | {m['warm', 'compile_s']:.2f} | {m['cold', 'aot_misses']:g} / "
+            f"{m['warm', 'aot_misses']:g} | {m['warm', 'steady_ms']:.1f} |"
+        )
     restart = [j for j in jobs if j["phase"] == "restart"]
     warm_two = _median(jobs, two, "warm", "first_step_s")
     compile_ratio = _median(jobs, two, "cold", "compile_s") / _median(jobs, one, "cold", "compile_s")
@@ -133,13 +162,16 @@ def table(jobs: list[dict]) -> str:
     if restart:
         death = statistics.median(j["death_to_step_s"] for j in restart)
         misses = [j["aot_misses"] for j in restart]
-        parts = {k: statistics.median(j[k] for j in restart)
-                 for k in ("death_to_start_s", "start_to_step_s", "first_step_s")}
-        lines.append(f"- restart (2 nodes, rank 1 SIGKILLed): death to the end of the first step after the restart "
-                     f"{death:.1f} s = {death / warm_two:.2f}x the 2-node warm first step ({warm_two:.2f} s; target "
-                     f"<= 1.2x): {parts['death_to_start_s']:.1f} s until the new ranks started (torchrun), "
-                     f"{parts['start_to_step_s']:.1f} s rank start-up (imports, process group, checkpoint, DDP), "
-                     f"{parts['first_step_s']:.1f} s first step; AOT misses after the restart: {misses}")
+        parts = {
+            k: statistics.median(j[k] for j in restart) for k in ("death_to_start_s", "start_to_step_s", "first_step_s")
+        }
+        lines.append(
+            f"- restart (2 nodes, rank 1 SIGKILLed): death to the end of the first step after the restart "
+            f"{death:.1f} s = {death / warm_two:.2f}x the 2-node warm first step ({warm_two:.2f} s; target "
+            f"<= 1.2x): {parts['death_to_start_s']:.1f} s until the new ranks started (torchrun), "
+            f"{parts['start_to_step_s']:.1f} s rank start-up (imports, process group, checkpoint, DDP), "
+            f"{parts['first_step_s']:.1f} s first step; AOT misses after the restart: {misses}"
+        )
     return "\n".join(lines)
 
 

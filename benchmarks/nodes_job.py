@@ -7,6 +7,7 @@ misses, and where each piece came from.
 With `KILL_AT=RANK:STEP`, that rank SIGKILLs itself when it fetches the batch of step index STEP in the
 job's first attempt, after writing `death.json` (the time of death).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = 1 if os.path.exists(os.path.join(OUT, "death.json")) else 0
 
 import examples.train_gpt as demo  # noqa: E402
+
 KILL = tuple(int(v) for v in os.environ["KILL_AT"].split(":")) if os.environ.get("KILL_AT") else None
 times: list[tuple[float, float]] = []  # (seconds, end time) per step
 reports: list = []
@@ -38,6 +40,7 @@ def _batch(real):
                 json.dump({"rank": rank, "step": step, "time": time.time()}, f)
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, step=step, rank=rank, **kwargs)
+
     return batch
 
 
@@ -52,7 +55,9 @@ def _build_step(real):
             loss.item()
             times.append((time.perf_counter() - t0, time.time()))
             return loss
+
         return timed, report
+
     return build
 
 
@@ -63,8 +68,12 @@ def _write() -> None:
     pieces = d.get("piece_compiles", []) + (d.get("optimizer") or {}).get("graph_compiles", [])
     distinct = [p for p in pieces if p.get("source") != "reused" and not p.get("reused_from")]
     out = {
-        "rank": RANK, "attempt": ATTEMPT, "node": int(os.environ.get("GROUP_RANK", "0")),
-        "started": STARTED, "first_step_s": times[0][0], "first_step_end": times[0][1],
+        "rank": RANK,
+        "attempt": ATTEMPT,
+        "node": int(os.environ.get("GROUP_RANK", "0")),
+        "started": STARTED,
+        "first_step_s": times[0][0],
+        "first_step_end": times[0][1],
         "steady_ms": statistics.median(t for t, _ in times[1:]) * 1e3 if len(times) > 1 else None,
         "compile_s": sum(p.get("seconds", 0.0) for p in distinct),
         "report_compile_s": d.get("compile_seconds"),
@@ -80,6 +89,7 @@ def _train(real):
     def train(*args, **kwargs):
         real(*args, **kwargs)
         _write()  # while the process group (and its store, which report() reads) is still there
+
     return train
 
 

@@ -33,6 +33,7 @@ retained pages, so it shows gradients freed per bucket directly.
 Limitation: gloo only. With nccl the host-side events mark enqueueing, not completion; GPU kernel events
 would be needed, and the result says "not measured".
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -83,8 +84,7 @@ def step_timeline(events: Sequence[Event], window: tuple[float, float], step: in
         comm = [(i.start_us, max(i.start_us, d.end_us)) for i, d in zip(issues, dones)]
     else:
         comm = [(d.start_us, d.end_us) for d in dones]
-    starts = [e.start_us for e in events
-              if e.name.startswith(BACKWARD_PREFIX) and window[0] <= e.start_us <= window[1]]
+    starts = [e.start_us for e in events if e.name.startswith(BACKWARD_PREFIX) and window[0] <= e.start_us <= window[1]]
     first_issue = min(s for s, _ in comm)
     last_issue = issues[-1].start_us if issues else max(s for s, _ in comm)
     start = min([first_issue] + starts)
@@ -94,8 +94,10 @@ def step_timeline(events: Sequence[Event], window: tuple[float, float], step: in
         "step": step,
         "paired": paired,
         "backward_ms": [0.0, (end - start) / 1e3],
-        "buckets": [{"index": i, "params": [], "bytes": 0, "ready_ms": (s - start) / 1e3, "done_ms": (e - start) / 1e3}
-                    for i, (s, e) in enumerate(comm)],
+        "buckets": [
+            {"index": i, "params": [], "bytes": 0, "ready_ms": (s - start) / 1e3, "done_ms": (e - start) / 1e3}
+            for i, (s, e) in enumerate(comm)
+        ],
         "overlap": stats.to_dict(),
     }
 
@@ -119,8 +121,7 @@ def summarize(events: Sequence[Event]) -> dict[str, Any]:
         return {"measured": False, "reason": f"no '{STEP_MARK}' event: no step was profiled"}
     timelines = [t for k, w in enumerate(windows) if (t := step_timeline(events, w, k)) is not None]
     peaks = [p for w in windows if (p := tensor_peak_bytes(events, w)) is not None]
-    out: dict[str, Any] = {"steps": len(windows),
-                           "tensor_peak_mb": max(peaks) / 2**20 if peaks else None}
+    out: dict[str, Any] = {"steps": len(windows), "tensor_peak_mb": max(peaks) / 2**20 if peaks else None}
     if not timelines:
         return {**out, "measured": False, "reason": f"no '{ISSUE}' or '{DONE}' event in the profiled steps"}
     stats = [t["overlap"] for t in timelines]
@@ -142,8 +143,10 @@ def label_buckets(timeline: dict[str, Any], planned: Sequence[dict[str, Any]] | 
     """Name a profiler timeline's all-reduces after the planned in-graph buckets when the counts agree."""
     if not planned or len(planned) != len(timeline["buckets"]):
         return timeline
-    buckets = [{**b, "params": list(p.get("params", [])), "bytes": int(p.get("bytes", 0))}
-               for b, p in zip(timeline["buckets"], planned)]
+    buckets = [
+        {**b, "params": list(p.get("params", [])), "bytes": int(p.get("bytes", 0))}
+        for b, p in zip(timeline["buckets"], planned)
+    ]
     return {**timeline, "buckets": buckets}
 
 
@@ -187,6 +190,13 @@ def kineto_events(prof: Any) -> list[Event]:
         start = e.start_ns() / 1e3
         if e.name() == MEMORY and e.device_type() != DeviceType.CPU:
             continue  # host tensors only: GPU ranks report their device peak separately (steady_peak_cuda_mb)
-        out.append(Event(name=e.name(), thread=e.start_thread_id(), start_us=start,
-                         end_us=max(start, e.end_ns() / 1e3), nbytes=int(e.nbytes()) if e.name() == MEMORY else 0))
+        out.append(
+            Event(
+                name=e.name(),
+                thread=e.start_thread_id(),
+                start_us=start,
+                end_us=max(start, e.end_ns() / 1e3),
+                nbytes=int(e.nbytes()) if e.name() == MEMORY else 0,
+            )
+        )
     return out

@@ -6,6 +6,7 @@ regenerated report keeps everything outside them (hand-written notes and section
 (results.json) stays in the run's out dir; a report outside that dir (the repository's BENCHMARKS.md) gets
 copies of the images it shows in docs/benchmarks/ next to it, so what it links can be committed.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,13 +54,28 @@ def plot_step_ms(result: dict[str, Any], path: Path) -> Path:
         heights = [modes[m].get("step_ms") or 0.0 for m in labels]
         lo = [h - (modes[m].get("step_ms_min") or h) for m, h in zip(labels, heights)]
         hi = [(modes[m].get("step_ms_max") or h) - h for m, h in zip(labels, heights)]
-        colors = ["#bbbbbb" if m in BRACKET_MODES else "#888888" if m == "eager" else "#cc6633" if m.startswith("torch")
-                  else "#3366cc" for m in labels]
+        colors = [
+            "#bbbbbb"
+            if m in BRACKET_MODES
+            else "#888888"
+            if m == "eager"
+            else "#cc6633"
+            if m.startswith("torch")
+            else "#3366cc"
+            for m in labels
+        ]
         bars = ax.bar(range(len(labels)), heights, yerr=[lo, hi], color=colors, capsize=3)
         for i, (m, bar) in enumerate(zip(labels, bars)):
             text = f"{heights[i]:.0f}" if modes[m]["status"] == "ok" else modes[m]["status"]
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                text,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
         ax.set_ylabel("median step ms (lower is better)")
         ax.set_title(f"{name}: {result['workloads'][name]['description']}", fontsize=9)
@@ -98,13 +114,15 @@ def how_to_run() -> list[str]:
         "uncommitted; the images shown here are copied to docs/benchmarks/; text outside the generated:begin/end "
         "markers is kept).",
         "",
-        ("Speed claims are read against each workload's bracket: `floor` (the step with no communication) and "
-        "floor + `comm_only` (every all-reduce exposed); each mode's overhead over the floor and the share of "
-        "comm_only it hid are in the table. `--link-gbit X` runs every job in its own network namespace with "
-        "its loopback shaped to X Gbit/s (tc tbf; root, `unshare`, `nsenter`, `ip` and `tc` needed, checked "
-        "before the first job). `--comm-hook fp16` registers DDP's `fp16_compress_hook` on every mode's DDP "
-        "object (comm_only then all-reduces fp16 buffers; floor has no DDP); `--reduce-dtype bf16|fp16` passes "
-        "`reduce_dtype=` to our in-graph modes only."),
+        (
+            "Speed claims are read against each workload's bracket: `floor` (the step with no communication) and "
+            "floor + `comm_only` (every all-reduce exposed); each mode's overhead over the floor and the share of "
+            "comm_only it hid are in the table. `--link-gbit X` runs every job in its own network namespace with "
+            "its loopback shaped to X Gbit/s (tc tbf; root, `unshare`, `nsenter`, `ip` and `tc` needed, checked "
+            "before the first job). `--comm-hook fp16` registers DDP's `fp16_compress_hook` on every mode's DDP "
+            "object (comm_only then all-reduces fp16 buffers; floor has no DDP); `--reduce-dtype bf16|fp16` passes "
+            "`reduce_dtype=` to our in-graph modes only."
+        ),
         "",
     ]
 
@@ -116,11 +134,13 @@ def _workloads_text() -> str:
     def shape(w: Workload) -> str:
         return f"{w.batch}x{w.seq_len} tokens"
 
-    return (f"Workloads: `compute` (GPT d={compute.model.d_model}, {compute.model.n_layers} layers, {shape(compute)} "
-            f"per rank, DDP's 25 MiB buckets), `comm` (same model, {shape(comm)}, {comm.bucket_cap_mb:g} MiB buckets: "
-            f"the communication-heavy comparison) and `compile` (GPT d={compile_.model.d_model}, "
-            f"{compile_.model.n_layers} layers, {shape(compile_)}, {compile_.bucket_cap_mb:g} MiB buckets: cold/warm "
-            "first-step compile time; no 1-rank or overlap jobs).")
+    return (
+        f"Workloads: `compute` (GPT d={compute.model.d_model}, {compute.model.n_layers} layers, {shape(compute)} "
+        f"per rank, DDP's 25 MiB buckets), `comm` (same model, {shape(comm)}, {comm.bucket_cap_mb:g} MiB buckets: "
+        f"the communication-heavy comparison) and `compile` (GPT d={compile_.model.d_model}, "
+        f"{compile_.model.n_layers} layers, {shape(compile_)}, {compile_.bucket_cap_mb:g} MiB buckets: cold/warm "
+        "first-step compile time; no 1-rank or overlap jobs)."
+    )
 
 
 def method_lines(cfg: dict[str, Any]) -> list[str]:
@@ -145,14 +165,16 @@ def method_lines(cfg: dict[str, Any]) -> list[str]:
         "them, per rank; process peak RSS: the whole process (set by compilation). Step tensor peak: the most "
         "tensor memory a profiled step held above what was alive at its start (profiler memory events: "
         "gradients, activations, all-reduce buffers), per rank.",
-        ("- bracket: floor = `torch.compile(model)` + `torch.compile`'d `optimizer.step()` on every rank at "
-        "once, no DDP, no communication (each rank trains its own copy); comm_only = one all-reduce per DDP "
-        "bucket (DDP's sizes, from `dist._compute_bucket_assignment_by_size` with the DDP object's caps; fp16 "
-        "under --comm-hook fp16), issued back to back asynchronously, then all waited for, per step. Over floor "
-        "= mode ms - floor ms (and % of floor). Comm hidden = 1 - (mode ms - floor ms) / comm_only ms, clamped "
-        "to 0-100 % with the raw value shown: below 0 the mode is slower than floor + comm_only (overhead that "
-        "is not communication, or all-reduces contending with compute), above 100 % faster than the floor. "
-        "Neither bracket mode trains like eager DDP: both are left out of the loss and parameter gates."),
+        (
+            "- bracket: floor = `torch.compile(model)` + `torch.compile`'d `optimizer.step()` on every rank at "
+            "once, no DDP, no communication (each rank trains its own copy); comm_only = one all-reduce per DDP "
+            "bucket (DDP's sizes, from `dist._compute_bucket_assignment_by_size` with the DDP object's caps; fp16 "
+            "under --comm-hook fp16), issued back to back asynchronously, then all waited for, per step. Over floor "
+            "= mode ms - floor ms (and % of floor). Comm hidden = 1 - (mode ms - floor ms) / comm_only ms, clamped "
+            "to 0-100 % with the raw value shown: below 0 the mode is slower than floor + comm_only (overhead that "
+            "is not communication, or all-reduces contending with compute), above 100 % faster than the floor. "
+            "Neither bracket mode trains like eager DDP: both are left out of the loss and parameter gates."
+        ),
         "- scaling eff: 1-rank step ms (one 1-rank job per mode, round 1) / 2-rank step ms at the same "
         "per-rank batch (1.0 = perfect).",
         "- overlap % / exposed comm ms: share of all-reduce wall time hidden behind backward compute, and what "
@@ -160,15 +182,19 @@ def method_lines(cfg: dict[str, Any]) -> list[str]:
         "comm hook; sees nothing in the in-graph modes), 'prof' = torch.profiler events of "
         f"{cfg.get('profile_steps', 2)} extra profiled step(s) with the same interval definitions "
         "(benchmarks/profile_overlap.py). "
-        + ("Both come from a separate job per mode whose step times are not used."
-           if not cfg.get("overlap_in_main_job") else "Both come from the measured job itself; profiled "
-           "steps run after the timed ones and are not timed."),
+        + (
+            "Both come from a separate job per mode whose step times are not used."
+            if not cfg.get("overlap_in_main_job")
+            else "Both come from the measured job itself; profiled steps run after the timed ones and are not timed."
+        ),
         "",
     ]
 
 
-GENERATED_BEGIN = ("<!-- generated:begin: `python -m benchmarks` rewrites everything from here to generated:end; "
-                   "write by hand only outside these markers -->")
+GENERATED_BEGIN = (
+    "<!-- generated:begin: `python -m benchmarks` rewrites everything from here to generated:end; "
+    "write by hand only outside these markers -->"
+)
 GENERATED_END = "<!-- generated:end -->"
 _BEGIN_RE = re.compile(r"^<!-- generated:begin\b.*$", re.MULTILINE)
 _END_RE = re.compile(r"^<!-- generated:end -->[ \t]*$", re.MULTILINE)
@@ -180,8 +206,14 @@ IMAGES_DIR = Path("docs") / "benchmarks"
 _GENERATED_IMAGE = re.compile(r"^(step_ms|timeline_.+)\.png$")
 
 
-def benchmarks_md(result: dict[str, Any], *, chart: Path | None, json_path: Path, md_path: Path,
-                  images: Mapping[str, Path] | None = None) -> str:
+def benchmarks_md(
+    result: dict[str, Any],
+    *,
+    chart: Path | None,
+    json_path: Path,
+    md_path: Path,
+    images: Mapping[str, Path] | None = None,
+) -> str:
     """The generated part of BENCHMARKS.md, markers included (`merge_markdown` puts it into the file).
 
     `images` maps an image the run wrote to the copy the report links instead (`place_images`)."""
@@ -217,8 +249,12 @@ def benchmarks_md(result: dict[str, Any], *, chart: Path | None, json_path: Path
         "",
     ]
     if chart is not None:
-        lines += [f"Chart: [{img(chart)}]({img(chart)}) · raw data (the run's out dir): `{rel(json_path)}`", "",
-                  f"![step ms per mode]({img(chart)})", ""]
+        lines += [
+            f"Chart: [{img(chart)}]({img(chart)}) · raw data (the run's out dir): `{rel(json_path)}`",
+            "",
+            f"![step ms per mode]({img(chart)})",
+            "",
+        ]
     else:
         lines += [f"Raw data: `{rel(json_path)}` (run with --no-plot: no chart)", ""]
     lines += _details_section(result, img)
@@ -233,9 +269,11 @@ def _markers(text: str, where: str) -> tuple[re.Match, re.Match] | None:
         return None
     if len(begins) != 1 or len(ends) != 1 or ends[0].start() < begins[0].end():
         order = " in the wrong order" if len(begins) == len(ends) == 1 else ""
-        raise ValueError(f"{where}: expected one '<!-- generated:begin ...' line followed by one '{GENERATED_END}' "
-                         f"line, found {len(begins)} and {len(ends)}{order}; fix the markers by hand (the generator "
-                         "rewrites only what is between them)")
+        raise ValueError(
+            f"{where}: expected one '<!-- generated:begin ...' line followed by one '{GENERATED_END}' "
+            f"line, found {len(begins)} and {len(ends)}{order}; fix the markers by hand (the generator "
+            "rewrites only what is between them)"
+        )
     return begins[0], ends[0]
 
 
@@ -256,11 +294,14 @@ def merge_markdown(previous: str | None, generated: str, *, where: str = "BENCHM
     marks = _markers(previous, where)
     if marks is not None:
         begin, end = marks
-        return previous[:begin.start()] + generated.rstrip("\n") + previous[end.end():]
+        return previous[: begin.start()] + generated.rstrip("\n") + previous[end.end() :]
     head, *sections = re.split(r"^(?=## )", previous, flags=re.MULTILINE)
     title = next((line for line in head.splitlines() if line.startswith("# ")), "# Benchmarks")
-    kept = [sec.rstrip("\n") for sec in sections
-            if re.split(r"[:\n]", sec[3:], maxsplit=1)[0].strip() not in GENERATED_SECTIONS]
+    kept = [
+        sec.rstrip("\n")
+        for sec in sections
+        if re.split(r"[:\n]", sec[3:], maxsplit=1)[0].strip() not in GENERATED_SECTIONS
+    ]
     return f"{title}\n\n{generated}" + "".join(f"\n{sec}\n" for sec in kept)
 
 
@@ -276,8 +317,11 @@ def place_images(result: dict[str, Any], chart: Path | None, *, md_path: Path, o
     sources = [chart] if chart is not None else []
     for data in result["workloads"].values():
         for a in data["modes"].values():
-            sources += [Path(p) for p in ((a.get("overlap") or {}).get("timeline_png"),
-                                          (a.get("profile") or {}).get("timeline_png")) if p]
+            sources += [
+                Path(p)
+                for p in ((a.get("overlap") or {}).get("timeline_png"), (a.get("profile") or {}).get("timeline_png"))
+                if p
+            ]
     placed: dict[str, Path] = {}
     for src in sources:
         dest = dest_dir / src.name
@@ -294,8 +338,7 @@ def place_images(result: dict[str, Any], chart: Path | None, *, md_path: Path, o
     return placed
 
 
-def write_report(result: dict[str, Any], *, chart: Path | None, json_path: Path, md_path: Path,
-                 out_dir: Path) -> Path:
+def write_report(result: dict[str, Any], *, chart: Path | None, json_path: Path, md_path: Path, out_dir: Path) -> Path:
     """Regenerate the report at `md_path`: its images placed (`place_images`), its generated part replaced,
     everything hand-written around it kept (`merge_markdown`)."""
     images = place_images(result, chart, md_path=md_path, out_dir=out_dir)
@@ -315,10 +358,19 @@ def run_condition_lines(cfg: dict[str, Any]) -> list[str]:
     in_graph = [m for m in cfg.get("modes", ()) if m in IN_GRAPH_MODES]
     return [
         "- link: " + (LinkShape(rate_gbit=link).describe() if link else "plain loopback (no --link-gbit)"),
-        "- DDP comm hook: " + (f"{hook}_compress_hook on every mode's DDP object (comm_only all-reduces {hook}; "
-                               "floor has no DDP)" if hook else "none (DDP's default all-reduce)"),
-        "- reduce dtype: " + (f"reduce_dtype={reduce_dtype} for {', '.join(in_graph)} only; every other mode, "
-                              "comm_only included, all-reduces as without it" if reduce_dtype else "none"),
+        "- DDP comm hook: "
+        + (
+            f"{hook}_compress_hook on every mode's DDP object (comm_only all-reduces {hook}; floor has no DDP)"
+            if hook
+            else "none (DDP's default all-reduce)"
+        ),
+        "- reduce dtype: "
+        + (
+            f"reduce_dtype={reduce_dtype} for {', '.join(in_graph)} only; every other mode, "
+            "comm_only included, all-reduces as without it"
+            if reduce_dtype
+            else "none"
+        ),
     ]
 
 
@@ -332,17 +384,23 @@ def _details_section(result: dict[str, Any], img) -> list[str]:
             info = a.get("info") or {}
             if mode == "comm_only" and info.get("bucket_bytes"):
                 mib = ", ".join(f"{b / 2**20:.2f}" for b in info["bucket_bytes"])
-                lines.append(f"- {name} / `comm_only`: {len(info['bucket_bytes'])} all-reduces per step of {mib} "
-                             f"MiB ({info.get('wire_dtype')}); bucket sizes: {info.get('bucket_source')}")
+                lines.append(
+                    f"- {name} / `comm_only`: {len(info['bucket_bytes'])} all-reduces per step of {mib} "
+                    f"MiB ({info.get('wire_dtype')}); bucket sizes: {info.get('bucket_source')}"
+                )
             ov = a.get("overlap") or {}
             if ov.get("timeline_png"):
-                lines.append(f"- {name} / `{mode}` overlap timeline: [{img(ov['timeline_png'])}]"
-                             f"({img(ov['timeline_png'])}), {ov.get('buckets')} buckets")
+                lines.append(
+                    f"- {name} / `{mode}` overlap timeline: [{img(ov['timeline_png'])}]"
+                    f"({img(ov['timeline_png'])}), {ov.get('buckets')} buckets"
+                )
             if ov.get("observed_buckets"):
                 sizes = [len(b) for b in ov["observed_buckets"]]
                 pieces = "eager (no graph)" if mode == "eager" else f"{a.get('pieces') or '?'} graph piece(s)"
-                lines.append(f"- {name} / `{mode}`: {pieces}; DDP really used "
-                             f"{len(sizes)} bucket(s) with {sizes} params (recorded by the comm hook)")
+                lines.append(
+                    f"- {name} / `{mode}`: {pieces}; DDP really used "
+                    f"{len(sizes)} bucket(s) with {sizes} params (recorded by the comm hook)"
+                )
             if ov.get("alignment_text"):
                 text = ov["alignment_text"].replace("\n", "; ")
                 lines.append(f"- {name} / `{mode}` planned pieces vs DDP buckets: {text}")
@@ -350,20 +408,28 @@ def _details_section(result: dict[str, Any], img) -> list[str]:
                 lines.append(f"- {name} / `{mode}` 1-rank job failed: `{_short(a['scaling_error'], 300)}`")
             prof = a.get("profile") or {}
             if prof.get("timeline_png"):
-                lines.append(f"- {name} / `{mode}` overlap timeline (from the profiler): [{img(prof['timeline_png'])}]"
-                             f"({img(prof['timeline_png'])}), {prof.get('all_reduces')} all-reduces")
+                lines.append(
+                    f"- {name} / `{mode}` overlap timeline (from the profiler): [{img(prof['timeline_png'])}]"
+                    f"({img(prof['timeline_png'])}), {prof.get('all_reduces')} all-reduces"
+                )
             if prof.get("measured") is False and prof.get("reason"):
                 lines.append(f"- {name} / `{mode}` profiler overlap not measured: {_short(prof['reason'], 300)}")
             in_backward = (a.get("info") or {}).get("optimizer_in_backward")
             if in_backward and in_backward.get("requested"):
-                state = ("active from update " + str(in_backward.get("from_update")) if in_backward.get("active")
-                         else f"NOT active: {in_backward.get('reason')}")
+                state = (
+                    "active from update " + str(in_backward.get("from_update"))
+                    if in_backward.get("active")
+                    else f"NOT active: {in_backward.get('reason')}"
+                )
                 lines.append(f"- {name} / `{mode}` optimizer in backward: {state}")
             if a.get("compiles_after_warmup"):
-                where = "; ".join(f"{job} rank {rank} step(s) {steps}"
-                                  for job, rank, steps in a["compiles_after_warmup"])
-                lines.append(f"- {name} / `{mode}` compiled after the warm-up (0-based steps; timed or profiled "
-                             f"steps include compile time): {where}")
+                where = "; ".join(
+                    f"{job} rank {rank} step(s) {steps}" for job, rank, steps in a["compiles_after_warmup"]
+                )
+                lines.append(
+                    f"- {name} / `{mode}` compiled after the warm-up (0-based steps; timed or profiled "
+                    f"steps include compile time): {where}"
+                )
             if a.get("partial_failures"):
                 lines.append(f"- {name} / `{mode}` some jobs failed: `{_short(a['partial_failures'][0], 300)}`")
     return lines

@@ -3,6 +3,7 @@
 Each rank runs `python -m benchmarks.worker` with one thread; a job has a wall-clock timeout, and when one
 rank fails or hangs the others are killed and the failure names the mode and the rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -108,11 +109,16 @@ def _run_ranks(spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[st
     procs = []
     for rank in range(spec.world_size):
         with open(job_dir / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [*prefix, sys.executable, "-m", "benchmarks.worker", str(spec_path)],
-                cwd=REPO_ROOT, env=_rank_env(spec, rank, port, shaped=bool(prefix)), stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [*prefix, sys.executable, "-m", "benchmarks.worker", str(spec_path)],
+                    cwd=REPO_ROOT,
+                    env=_rank_env(spec, rank, port, shaped=bool(prefix)),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     started = time.monotonic()
     deadline = started + timeout_s
     failed_at: float | None = None
@@ -127,15 +133,25 @@ def _run_ranks(spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[st
         time.sleep(0.2)
     for p in procs:
         _kill_group(p)
-    return _collect(spec, job_dir, procs, timed_out=timed_out, timeout_s=timeout_s,
-                    wall_s=time.monotonic() - started)
+    return _collect(spec, job_dir, procs, timed_out=timed_out, timeout_s=timeout_s, wall_s=time.monotonic() - started)
 
 
 def _link_failed(spec: JobSpec, job_dir: Path, err: LinkError) -> dict[str, Any]:
     why = f"{spec.mode}: the shaped link (--link-gbit) could not be set up for this job: {err}"
-    return {"job_id": spec.job_id, "kind": spec.kind, "round": spec.round, "mode": spec.mode,
-            "workload": spec.workload, "world_size": spec.world_size, "ok": False, "unavailable": False,
-            "errors": [why], "wall_s": 0.0, "ranks": [], "log_dir": str(job_dir)}
+    return {
+        "job_id": spec.job_id,
+        "kind": spec.kind,
+        "round": spec.round,
+        "mode": spec.mode,
+        "workload": spec.workload,
+        "world_size": spec.world_size,
+        "ok": False,
+        "unavailable": False,
+        "errors": [why],
+        "wall_s": 0.0,
+        "ranks": [],
+        "log_dir": str(job_dir),
+    }
 
 
 def _collect(spec: JobSpec, job_dir: Path, procs, *, timed_out: bool, timeout_s: float, wall_s: float):
@@ -149,8 +165,12 @@ def _collect(spec: JobSpec, job_dir: Path, procs, *, timed_out: bool, timeout_s:
         elif timed_out:
             res = {"ok": False, "rank": rank, "error": f"timed out after {timeout_s:.0f}s"}
         else:
-            res = {"ok": False, "rank": rank,
-                   "error": f"exited with code {proc.returncode} without a result; log tail: {_tail(job_dir / f'rank{rank}.log')}"}
+            res = {
+                "ok": False,
+                "rank": rank,
+                "error": f"exited with code {proc.returncode} without a result; "
+                f"log tail: {_tail(job_dir / f'rank{rank}.log')}",
+            }
         ranks.append(res)
         if not res.get("ok"):
             unavailable = unavailable or bool(res.get("unavailable"))

@@ -1,4 +1,5 @@
 """Plan and run every job of a benchmark, round by round, so machine drift hits all modes alike."""
+
 from __future__ import annotations
 
 import shutil
@@ -13,8 +14,9 @@ from benchmarks.runner import JobSpec, run_job
 COMPILED_KINDS = ("cold", "warm")
 
 
-def _worker_spec(cfg: BenchConfig, w: Workload, mode: str, *, steps: int, record_overlap: bool,
-                 timeline_png: Path | None) -> dict[str, Any]:
+def _worker_spec(
+    cfg: BenchConfig, w: Workload, mode: str, *, steps: int, record_overlap: bool, timeline_png: Path | None
+) -> dict[str, Any]:
     # overlap is measured twice where it can be: the DDP comm-hook recorder (DDP modes) and the profiler
     # (every mode, on extra steps after the timed ones: benchmarks/profile_overlap.py)
     return {
@@ -99,7 +101,11 @@ def _mode_jobs(cfg: BenchConfig, w: Workload, mode: str, round_no: int, caches: 
             world_size=1 if kind == "single" else cfg.world_size,
             cache_dir=cache,
             worker=_worker_spec(
-                cfg, w, mode, steps=cfg.steps, record_overlap=in_job_recorder,
+                cfg,
+                w,
+                mode,
+                steps=cfg.steps,
+                record_overlap=in_job_recorder,
                 timeline_png=cfg.out_dir / f"timeline_{w.name}_{mode}.png" if in_job_recorder else None,
             ),
         )
@@ -120,8 +126,14 @@ def plan_overlap(cfg: BenchConfig, caches: CacheDirs) -> Iterator[JobSpec]:
                 workload=w.name,
                 world_size=cfg.world_size,
                 cache_dir=caches.current(w.name, mode),
-                worker=_worker_spec(cfg, w, mode, steps=max(3, min(cfg.steps, 5)), record_overlap=True,
-                                    timeline_png=cfg.out_dir / f"timeline_{w.name}_{mode}.png"),
+                worker=_worker_spec(
+                    cfg,
+                    w,
+                    mode,
+                    steps=max(3, min(cfg.steps, 5)),
+                    record_overlap=True,
+                    timeline_png=cfg.out_dir / f"timeline_{w.name}_{mode}.png",
+                ),
             )
 
 
@@ -147,8 +159,10 @@ def run_suite(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> list[d
             res = run_job(spec, jobs_dir, timeout_s=cfg.timeout_s, link=link)
             results.append(res)
             status = "ok" if res["ok"] else ("UNAVAILABLE" if res["unavailable"] else "FAILED")
-            log(f"[{spec.job_id}] {status} in {time.monotonic() - t0:.1f}s"
-                + ("" if res["ok"] else f": {res['errors'][0][:300]}"))
+            log(
+                f"[{spec.job_id}] {status} in {time.monotonic() - t0:.1f}s"
+                + ("" if res["ok"] else f": {res['errors'][0][:300]}")
+            )
             if not res["ok"]:
                 # the same mode would fail the same way again: don't burn the time budget on it. A failed
                 # 1-rank job only stops the other 1-rank jobs of that mode.
@@ -160,7 +174,16 @@ def run_suite(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> list[d
 
 def _skipped(spec: JobSpec, why: str) -> dict[str, Any]:
     return {
-        "job_id": spec.job_id, "kind": spec.kind, "round": spec.round, "mode": spec.mode,
-        "workload": spec.workload, "world_size": spec.world_size, "ok": False, "unavailable": False,
-        "skipped": True, "errors": [f"skipped after an earlier failure: {why}"], "wall_s": 0.0, "ranks": [],
+        "job_id": spec.job_id,
+        "kind": spec.kind,
+        "round": spec.round,
+        "mode": spec.mode,
+        "workload": spec.workload,
+        "world_size": spec.world_size,
+        "ok": False,
+        "unavailable": False,
+        "skipped": True,
+        "errors": [f"skipped after an earlier failure: {why}"],
+        "wall_s": 0.0,
+        "ranks": [],
     }

@@ -1,4 +1,5 @@
 """Markdown tables of an aggregated run: step time, memory and overlap; the first-step breakdown; ours vs PyTorch."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,10 +32,24 @@ def _header(cells: list[str]) -> list[str]:
     return [_row(cells), "|" + "---|" * len(cells)]
 
 
-MAIN_COLUMNS = ["mode", "status", "pieces", "step ms (median)", "min-max", "over floor ms (%)", "comm hidden %",
-                "steady peak RSS MB/rank",
-                "step tensor peak MB/rank", "process peak RSS MB/rank", "cold 1st step s", "warm 1st step s",
-                "final loss", "scaling eff", "overlap % hook / prof", "exposed comm ms hook / prof"]
+MAIN_COLUMNS = [
+    "mode",
+    "status",
+    "pieces",
+    "step ms (median)",
+    "min-max",
+    "over floor ms (%)",
+    "comm hidden %",
+    "steady peak RSS MB/rank",
+    "step tensor peak MB/rank",
+    "process peak RSS MB/rank",
+    "cold 1st step s",
+    "warm 1st step s",
+    "final loss",
+    "scaling eff",
+    "overlap % hook / prof",
+    "exposed comm ms hook / prof",
+]
 
 
 def main_table(data: dict[str, Any]) -> list[str]:
@@ -50,18 +65,29 @@ def main_table(data: dict[str, Any]) -> list[str]:
         loss = _loss_cell(mode, a["final_loss"], bad)
         warm = a["first_step_s_warm"] if a["first_step_s_warm"] is not None else a["first_step_s_smoke"]
         cold = a["first_step_s_cold"] if mode not in NO_COMPILE_MODES else None
-        rows.append(_row([
-            mode, _status_cell(mode, data.get("labels") or {}), _fmt(a["pieces"], "d"),
-            _fmt(a["step_ms"]), f"{_fmt(a['step_ms_min'])}-{_fmt(a['step_ms_max'])}",
-            over_floor_cell(data.get("bracket"), mode), comm_hidden_cell(data.get("bracket"), mode),
-            _per_rank(a.get("steady_peak_rss_mb_per_rank")), _per_rank(prof.get("tensor_peak_mb_per_rank"), ".1f"),
-            _per_rank(a.get("peak_rss_mb_per_rank")),
-            _fmt(cold, ".1f", "no compile" if mode in NO_COMPILE_MODES else "-"), _fmt(warm, ".1f"),
-            loss, _fmt(a.get("scaling_efficiency"), ".2f"),
-            f"{_hook_cell(ov)} / {_prof_cell(prof)}",
-            f"{_fmt(ov.get('median_exposed_ms')) if ov.get('recorded') else '-'} / "
-            f"{_fmt(prof.get('median_exposed_ms')) if prof.get('measured') else '-'}",
-        ]))
+        rows.append(
+            _row(
+                [
+                    mode,
+                    _status_cell(mode, data.get("labels") or {}),
+                    _fmt(a["pieces"], "d"),
+                    _fmt(a["step_ms"]),
+                    f"{_fmt(a['step_ms_min'])}-{_fmt(a['step_ms_max'])}",
+                    over_floor_cell(data.get("bracket"), mode),
+                    comm_hidden_cell(data.get("bracket"), mode),
+                    _per_rank(a.get("steady_peak_rss_mb_per_rank")),
+                    _per_rank(prof.get("tensor_peak_mb_per_rank"), ".1f"),
+                    _per_rank(a.get("peak_rss_mb_per_rank")),
+                    _fmt(cold, ".1f", "no compile" if mode in NO_COMPILE_MODES else "-"),
+                    _fmt(warm, ".1f"),
+                    loss,
+                    _fmt(a.get("scaling_efficiency"), ".2f"),
+                    f"{_hook_cell(ov)} / {_prof_cell(prof)}",
+                    f"{_fmt(ov.get('median_exposed_ms')) if ov.get('recorded') else '-'} / "
+                    f"{_fmt(prof.get('median_exposed_ms')) if prof.get('measured') else '-'}",
+                ]
+            )
+        )
     return rows
 
 
@@ -84,9 +110,15 @@ def _hook_cell(ov: dict[str, Any]) -> str:
         return "-"
     if not ov.get("recorded"):
         reason = str(ov.get("reason", ""))
-        return ("n/a (python reducer)" if "python reducer" in reason
-                else "n/a (in-graph)" if "in_graph" in reason
-                else "n/a (comm hook)" if "comm hook" in reason else "n/a")
+        return (
+            "n/a (python reducer)"
+            if "python reducer" in reason
+            else "n/a (in-graph)"
+            if "in_graph" in reason
+            else "n/a (comm hook)"
+            if "comm hook" in reason
+            else "n/a"
+        )
     return _fmt(ov.get("overlap_percent"), ".0f")
 
 
@@ -96,9 +128,21 @@ def _prof_cell(prof: dict[str, Any]) -> str:
     return _fmt(prof.get("overlap_percent"), ".0f") if prof.get("measured") else "n/a"
 
 
-BREAKDOWN_COLUMNS = ["mode", "job", "1st step s", "compile s", "Dynamo s", "AOT + backend passes s", "Inductor s",
-                     "C++ compile s", "other s", "later warm-up compile s", "graphs", "FX cache hit/miss",
-                     "AOT cache hit/miss"]
+BREAKDOWN_COLUMNS = [
+    "mode",
+    "job",
+    "1st step s",
+    "compile s",
+    "Dynamo s",
+    "AOT + backend passes s",
+    "Inductor s",
+    "C++ compile s",
+    "other s",
+    "later warm-up compile s",
+    "graphs",
+    "FX cache hit/miss",
+    "AOT cache hit/miss",
+]
 
 
 def breakdown_table(data: dict[str, Any]) -> list[str]:
@@ -107,18 +151,37 @@ def breakdown_table(data: dict[str, Any]) -> list[str]:
     for mode, a in data["modes"].items():
         for kind, b in (a.get("first_step") or {}).items():
             cache = b.get("cache", {})
-            rows.append(_row([
-                mode, kind, _fmt(b["wall_s"], ".2f"), _fmt(b["compile_s"], ".2f"), _fmt(b["dynamo_s"], ".2f"),
-                _fmt(b["aot_s"], ".2f"), _fmt(b["inductor_s"], ".2f"), _fmt(b["cpp_compile_s"], ".2f"),
-                _fmt(b["other_s"], ".2f"), _fmt(b.get("later_warmup_compile_s"), ".2f"), str(b.get("graphs", "-")),
-                f"{cache.get('fxgraph_hit', 0)}/{cache.get('fxgraph_miss', 0)}",
-                f"{cache.get('aot_hit', 0)}/{cache.get('aot_miss', 0)}",
-            ]))
+            rows.append(
+                _row(
+                    [
+                        mode,
+                        kind,
+                        _fmt(b["wall_s"], ".2f"),
+                        _fmt(b["compile_s"], ".2f"),
+                        _fmt(b["dynamo_s"], ".2f"),
+                        _fmt(b["aot_s"], ".2f"),
+                        _fmt(b["inductor_s"], ".2f"),
+                        _fmt(b["cpp_compile_s"], ".2f"),
+                        _fmt(b["other_s"], ".2f"),
+                        _fmt(b.get("later_warmup_compile_s"), ".2f"),
+                        str(b.get("graphs", "-")),
+                        f"{cache.get('fxgraph_hit', 0)}/{cache.get('fxgraph_miss', 0)}",
+                        f"{cache.get('aot_hit', 0)}/{cache.get('aot_miss', 0)}",
+                    ]
+                )
+            )
     return rows if len(rows) > 2 else []
 
 
-COMPARISON_COLUMNS = ["ours", "peer", "cold 1st step / peer", "warm 1st step / peer",
-                      "cold warm-up compile / peer", "best PyTorch mode", "step ms / best PyTorch"]
+COMPARISON_COLUMNS = [
+    "ours",
+    "peer",
+    "cold 1st step / peer",
+    "warm 1st step / peer",
+    "cold warm-up compile / peer",
+    "best PyTorch mode",
+    "step ms / best PyTorch",
+]
 
 
 def comparison_table(data: dict[str, Any]) -> list[str]:
@@ -126,15 +189,25 @@ def comparison_table(data: dict[str, Any]) -> list[str]:
     rows = _header(COMPARISON_COLUMNS)
     for c in data.get("comparisons", []):
         warm = c.get("first_step_warm_vs_peer", c.get("first_step_smoke_vs_peer"))
-        rows.append(_row([c["mode"], c["peer"], _fmt(c.get("first_step_cold_vs_peer"), ".2f"), _fmt(warm, ".2f"),
-                          _fmt(c.get("warmup_compile_cold_vs_peer"), ".2f"), c.get("best_torch") or "-",
-                          _fmt(c.get("step_ms_vs_best_torch"), ".2f")]))
+        rows.append(
+            _row(
+                [
+                    c["mode"],
+                    c["peer"],
+                    _fmt(c.get("first_step_cold_vs_peer"), ".2f"),
+                    _fmt(warm, ".2f"),
+                    _fmt(c.get("warmup_compile_cold_vs_peer"), ".2f"),
+                    c.get("best_torch") or "-",
+                    _fmt(c.get("step_ms_vs_best_torch"), ".2f"),
+                ]
+            )
+        )
     return rows if len(rows) > 2 else []
 
 
 def _exempt(agreement: dict[str, Any]) -> str:
     exempt = agreement.get("exempt") or []
-    return (f" Not gated: {', '.join(exempt)} (bracket modes: they do not train like eager DDP)." if exempt else "")
+    return f" Not gated: {', '.join(exempt)} (bracket modes: they do not train like eager DDP)." if exempt else ""
 
 
 def agreement_line(agreement: dict[str, Any]) -> str:
@@ -145,12 +218,16 @@ def _agreement_line(agreement: dict[str, Any]) -> str:
     if agreement["ok"] is None:
         return "Loss agreement: no mode finished."
     if agreement["ok"]:
-        return (f"Loss agreement: OK (all finished modes within {agreement['tolerance']:.2g} of "
-                f"{agreement['reference']}'s {agreement['reference_loss']:.5f}).")
+        return (
+            f"Loss agreement: OK (all finished modes within {agreement['tolerance']:.2g} of "
+            f"{agreement['reference']}'s {agreement['reference_loss']:.5f})."
+        )
     parts = [f"{d['mode']} {d['loss']:.5f} ({d['diff']:+.2g})" for d in agreement["disagree"]]
     parts += [f"{d['mode']} varies across jobs {d['losses']}" for d in agreement["unstable"]]
-    return (f"**WARNING: loss disagreement** beyond {agreement['tolerance']:.2g} vs "
-            f"{agreement['reference']} ({agreement['reference_loss']:.5f}): " + "; ".join(parts))
+    return (
+        f"**WARNING: loss disagreement** beyond {agreement['tolerance']:.2g} vs "
+        f"{agreement['reference']} ({agreement['reference_loss']:.5f}): " + "; ".join(parts)
+    )
 
 
 def param_agreement_line(agreement: dict[str, Any]) -> str:
@@ -160,7 +237,9 @@ def param_agreement_line(agreement: dict[str, Any]) -> str:
     distance = agreement.get("distance") or {}
     loosened = "".join(
         f" {', '.join(modes)} gated at {tol:.0e} ({agreement.get('loosened_because', '')}; up to "
-        f"{max(distance.get(m, 0.0) for m in modes):.1e} here)." for tol, modes in by_tol.items())
+        f"{max(distance.get(m, 0.0) for m in modes):.1e} here)."
+        for tol, modes in by_tol.items()
+    )
     return _param_agreement_line(agreement) + loosened + _exempt(agreement)
 
 
@@ -172,8 +251,10 @@ def _param_agreement_line(agreement: dict[str, Any]) -> str:
     if agreement["ok"]:
         loose = agreement.get("rtol_by_mode") or {}
         worst = max((d for m, d in agreement["distance"].items() if m not in loose), default=0.0)
-        return (f"Parameter agreement: OK (every mode's final parameters within {worst:.1e} of "
-                f"{agreement['reference']}'s update; tolerance {agreement['rtol']:.0e}).")
+        return (
+            f"Parameter agreement: OK (every mode's final parameters within {worst:.1e} of "
+            f"{agreement['reference']}'s update; tolerance {agreement['rtol']:.0e})."
+        )
     parts = [f"{d['mode']} {d['distance']:.2g} from {agreement['reference']}" for d in agreement["disagree"]]
     parts += [f"{d['mode']}: ranks {d['distance']:.2g} apart" for d in agreement["ranks_disagree"]]
     parts += [f"{d['mode']} varies across jobs ({d['distance']:.2g})" for d in agreement["unstable"]]

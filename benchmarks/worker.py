@@ -3,6 +3,7 @@
 Writes `rank{R}.json` next to the spec, success or failure; exits non-zero on failure so the runner can stop
 the other ranks instead of letting them wait in a collective.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,9 +28,7 @@ def _init_process_group(rank: int, world_size: int, timeout_s: float) -> tuple[A
     if use_nccl:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return device, backend
 
 
@@ -80,14 +79,24 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         recorder = OverlapRecorder.attach(ddp)
     mark = recorder.mark_backward_start if recorder is not None else (lambda: None)
     reduce_dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.get("reduce_dtype")]
-    step = {**BUILDERS, **BRACKET_BUILDERS}[mode](ModeContext(
-        ddp=ddp, model=model, optimizer=optimizer, backend=spec["backend"], mark_backward=mark,
-        comm_hook=spec.get("comm_hook"), reduce_dtype=reduce_dtype))
+    step = {**BUILDERS, **BRACKET_BUILDERS}[mode](
+        ModeContext(
+            ddp=ddp,
+            model=model,
+            optimizer=optimizer,
+            backend=spec["backend"],
+            mark_backward=mark,
+            comm_hook=spec.get("comm_hook"),
+            reduce_dtype=reduce_dtype,
+        )
+    )
 
     warmup, steps, profiled = spec["warmup"], spec["steps"], spec.get("profile_steps", 0)
     batches = [
-        tuple(t.to(device) for t in synthetic_batch(
-            cfg, spec["batch"], spec["seq_len"], step=i, rank=rank, seed=spec["seed"]))
+        tuple(
+            t.to(device)
+            for t in synthetic_batch(cfg, spec["batch"], spec["seq_len"], step=i, rank=rank, seed=spec["seed"])
+        )
         for i in range(warmup + steps + profiled)
     ]
     clock = StepClock()
@@ -125,7 +134,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     info = step.info()
     final = torch.tensor([losses[-1]], dtype=torch.float64, device=device)
     dist.all_reduce(final)
-    timed = step_s[warmup:warmup + steps]
+    timed = step_s[warmup : warmup + steps]
     result: dict[str, Any] = {
         "ok": True,
         "mode": mode,
@@ -137,7 +146,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "warmup_s": sum(step_s[:warmup]),
         "step_ms": [1e3 * s for s in timed],
         "median_step_ms": 1e3 * statistics.median(timed),
-        "profiled_step_ms": [1e3 * s for s in step_s[warmup + steps:]],
+        "profiled_step_ms": [1e3 * s for s in step_s[warmup + steps :]],
         "losses": losses,
         "final_loss": float(final.item()) / world_size,
         "param_checksum": param_checksum(dict(model.named_parameters()), initial),
@@ -152,11 +161,17 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     if recorder is not None:
         result["overlap"] = _overlap_result(recorder, spec, rank, result["info"])
     elif spec["record_overlap"] and mode in IN_GRAPH_MODES:
-        result["overlap"] = {"recorded": False, "reason": "ddp='in_graph': the compiled backward all-reduces, DDP's "
-                                                          "comm hooks see nothing (see the profiler columns)"}
+        result["overlap"] = {
+            "recorded": False,
+            "reason": "ddp='in_graph': the compiled backward all-reduces, DDP's "
+            "comm hooks see nothing (see the profiler columns)",
+        }
     elif spec["record_overlap"]:
-        result["overlap"] = {"recorded": False, "reason": f"comm hook {spec['comm_hook']}: DDP takes one comm hook, "
-                                                          "so the recorder's cannot be registered (see the profiler columns)"}
+        result["overlap"] = {
+            "recorded": False,
+            "reason": f"comm hook {spec['comm_hook']}: DDP takes one comm hook, "
+            "so the recorder's cannot be registered (see the profiler columns)",
+        }
     dist.barrier()  # rank 0 hosts the store: it exits (os._exit) only once no rank can still need it
     return result
 
@@ -186,8 +201,11 @@ def _profile_result(profiler, spec: dict[str, Any], rank: int, pg_backend: str, 
     out = summarize(profiler.events())
     if pg_backend != "gloo" and out.get("measured"):
         # nccl's host-side events mark enqueueing, not completion (benchmarks/profile_overlap.py, Limitation)
-        out = {"measured": False, "reason": f"{pg_backend}: profiler overlap is measured on gloo only",
-               "tensor_peak_mb": out.get("tensor_peak_mb")}
+        out = {
+            "measured": False,
+            "reason": f"{pg_backend}: profiler overlap is measured on gloo only",
+            "tensor_peak_mb": out.get("tensor_peak_mb"),
+        }
     if out.get("measured"):
         out["last_step"] = label_buckets(out["last_step"], info.get("in_graph_buckets"))
         if rank == 0 and spec.get("timeline_png") and spec.get("plot", True) and spec["mode"] in IN_GRAPH_MODES:
@@ -202,8 +220,11 @@ def _overlap_result(recorder, spec: dict[str, Any], rank: int, info: dict[str, A
     from ddp.overlap import check_alignment
 
     if not recorder.steps():
-        why = ("DDP's python reducer reduces per parameter under compiled autograd: no buckets to time"
-               if recorder.bypassed else "no comm-hook call seen")
+        why = (
+            "DDP's python reducer reduces per parameter under compiled autograd: no buckets to time"
+            if recorder.bypassed
+            else "no comm-hook call seen"
+        )
         return {"recorded": False, "reason": why}
     out: dict[str, Any] = {"recorded": True, **recorder.summary(skip_first=min(2, spec["warmup"]))}
     out["observed_buckets"] = recorder.observed_buckets()

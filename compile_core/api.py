@@ -7,6 +7,7 @@ DDP's forward still runs eagerly around it, `state_dict()` keys do not change, a
 ours, so Dynamo traces into `nn.Sequential` too. While our compiled function runs, DDP's "active
 module" slot is cleared: otherwise Dynamo would wrap our backend in PyTorch's DDPOptimizer again.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -57,8 +58,15 @@ def compile(
     if isinstance(model, CompiledModel):
         raise TypeError("model is already compiled by compile_core.compile; pass the original model")
     config = CompileConfig(
-        backend=backend, ddp=ddp, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-        fullgraph=fullgraph, dynamic=dynamic, mode=mode, options=options, reuse_pieces=reuse_pieces,
+        backend=backend,
+        ddp=ddp,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+        fullgraph=fullgraph,
+        dynamic=dynamic,
+        mode=mode,
+        options=options,
+        reuse_pieces=reuse_pieces,
         reduce_dtype=reduce_dtype,
     )
     return CompiledModel(model, config)
@@ -83,16 +91,30 @@ class CompiledModel:
         self._calls = 0
         self._agreement = (
             RankAgreement(self._ddp.process_group, prefix=f"ddp_compile/model{next(_models)}")
-            if self._ddp is not None else None
+            if self._ddp is not None
+            else None
         )
         cap, first = config.caps(int(self._ddp.bucket_bytes_cap) if self._ddp is not None else None)
-        self._mode = make_mode(ModeContext(
-            model=model, ddp=self._ddp, inner=inner, names={id(p): n for n, p in inner.named_parameters()},
-            config=config, log=self._log, pieces=PieceCompiler(config, self._log), agreement=self._agreement,
-            cap_bytes=cap, first_cap_bytes=first, calls=lambda: self._calls,
-        ))
+        self._mode = make_mode(
+            ModeContext(
+                model=model,
+                ddp=self._ddp,
+                inner=inner,
+                names={id(p): n for n, p in inner.named_parameters()},
+                config=config,
+                log=self._log,
+                pieces=PieceCompiler(config, self._log),
+                agreement=self._agreement,
+                cap_bytes=cap,
+                first_cap_bytes=first,
+                calls=lambda: self._calls,
+            )
+        )
         self._compiled = self._events.compile(
-            _entry_for(inner), self._mode.backend, fullgraph=config.fullgraph, dynamic=config.dynamic,
+            _entry_for(inner),
+            self._mode.backend,
+            fullgraph=config.fullgraph,
+            dynamic=config.dynamic,
             on_compiled=self._graph_compiled,
         )
         install_compiled_call(inner, self._run_inner)
@@ -101,7 +123,11 @@ class CompiledModel:
         self._mode.install(model, inner, self._events)
         log.info(
             "compile_core: %s compiled with backend=%s ddp=%s cap=%.3g MiB first=%.3g MiB",
-            type(inner).__name__, config.backend_name, self._mode.name, cap / MiB, first / MiB,
+            type(inner).__name__,
+            config.backend_name,
+            self._mode.name,
+            cap / MiB,
+            first / MiB,
         )
 
     # ---- calling ---------------------------------------------------------------------------------
@@ -166,8 +192,10 @@ class CompiledModel:
 
     def report(self) -> CompileReport:
         return self._log.snapshot(
-            mode=self._mode.name, backend=self._config.backend_name,
-            events=self._events, alignment=self._mode.alignment.to_dict(),
+            mode=self._mode.name,
+            backend=self._config.backend_name,
+            events=self._events,
+            alignment=self._mode.alignment.to_dict(),
             observed_alignment=self._mode.alignment.observed(),
             notes=self._mode.alignment.notes,
             rank_differences=self._rank_differences(),
@@ -196,8 +224,10 @@ class CompiledModel:
         return getattr(self._model, name)
 
     def __repr__(self) -> str:
-        return (f"CompiledModel(backend={self._config.backend_name!r}, ddp={self._mode.name!r}, "
-                f"model={type(self._model).__name__})")
+        return (
+            f"CompiledModel(backend={self._config.backend_name!r}, ddp={self._mode.name!r}, "
+            f"model={type(self._model).__name__})"
+        )
 
 
 def _entry_for(inner: torch.nn.Module) -> Callable[..., Any]:

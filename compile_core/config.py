@@ -1,4 +1,5 @@
 """`CompileConfig`: every knob of `compile_core.compile`, validated before any compile work."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,11 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 DDP_MODES = ("split", "in_graph", "none", "torch")
 """split: bucket-aligned pieces; in_graph: one graph whose backward all-reduces its buckets itself;
 none: one graph, all-reduce after backward; torch: PyTorch's DDPOptimizer."""
-FALLBACK_CHAIN = {"inductor": ("inductor", "aot_eager", "eager"), "aot_eager": ("aot_eager", "eager"), "eager": ("eager",)}
+FALLBACK_CHAIN = {
+    "inductor": ("inductor", "aot_eager", "eager"),
+    "aot_eager": ("aot_eager", "eager"),
+    "eager": ("eager",),
+}
 """What a piece falls back to when its backend fails to compile it."""
 
 

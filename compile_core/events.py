@@ -10,6 +10,7 @@ frames of an optimizer step, or three cached entries failing before one new comp
 recompile. Breaks that produce no graph of their own (a skipped frame, code Dynamo runs eagerly) are
 only visible in Dynamo's counters: `count_breaks()` collects those around a call.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,12 @@ class CompileEvents:
     ) -> Callable[..., Any]:
         """`fn` compiled by Dynamo with `backend`, every event recorded here."""
         return compile_with_guard_hook(
-            fn, self.wrap(backend, on_compiled=on_compiled), on_guard_fail=self.on_guard_fail,
-            fullgraph=fullgraph, dynamic=dynamic, isolate_recompiles=isolate_recompiles,
+            fn,
+            self.wrap(backend, on_compiled=on_compiled),
+            on_guard_fail=self.on_guard_fail,
+            fullgraph=fullgraph,
+            dynamic=dynamic,
+            isolate_recompiles=isolate_recompiles,
         )
 
     def wrap(self, backend: Backend, *, on_compiled: Callable[[float], None] | None = None) -> Backend:
@@ -120,8 +125,13 @@ class CompileEvents:
                     with self.lock:
                         self.compile_seconds += seconds
                     self._fold_guard_failures()
-                    say("%s: call %d compiled %d graph(s) in %.2f s (first-run time included)",
-                        self.name, self._calls, new_graphs, seconds)
+                    say(
+                        "%s: call %d compiled %d graph(s) in %.2f s (first-run time included)",
+                        self.name,
+                        self._calls,
+                        new_graphs,
+                        seconds,
+                    )
                 else:
                     with self.lock:
                         self._guard_failures.clear()
@@ -164,9 +174,9 @@ class CompileEvents:
             after = break_counters()
             if after != before and len(self.graph_breaks) == recorded:
                 new = [
-                    {"reason": _first_line(reason),
-                     "where": "(no graph: Dynamo ran the frame eagerly)"}
-                    for reason, count in after.items() if count > before.get(reason, 0)
+                    {"reason": _first_line(reason), "where": "(no graph: Dynamo ran the frame eagerly)"}
+                    for reason, count in after.items()
+                    if count > before.get(reason, 0)
                 ]
                 with self.lock:
                     self.graph_breaks.extend(new)

@@ -17,6 +17,7 @@ Every mode has the same small contract (`CompileMode`):
 | "torch" | `TorchMode` | cut by PyTorch's DDPOptimizer | DDP's reducer |
 | "in_graph" | `InGraphMode` | whole | the compiled backward itself |
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -114,8 +115,11 @@ class SplitMode(CompileMode):
     def __init__(self, ctx: ModeContext) -> None:
         super().__init__(ctx)
         config = SplitterConfig(
-            bucket_cap_bytes=ctx.cap_bytes, first_bucket_cap_bytes=ctx.first_cap_bytes, param_names=ctx.names,
-            ignore=torch_ddp.ignored_names(ctx.ddp) if ctx.ddp is not None else frozenset(), split=self.split,
+            bucket_cap_bytes=ctx.cap_bytes,
+            first_bucket_cap_bytes=ctx.first_cap_bytes,
+            param_names=ctx.names,
+            ignore=torch_ddp.ignored_names(ctx.ddp) if ctx.ddp is not None else frozenset(),
+            split=self.split,
             align_to_repeats=ctx.config.reuse_pieces,
         )
         self._splitter = DDPSplitter(config, ctx.pieces, self._on_graph, compile_pieces=ctx.pieces.compile_many)
@@ -129,11 +133,21 @@ class SplitMode(CompileMode):
 
     def _on_graph(self, graph: SplitGraph) -> None:
         plan = graph.plan
-        caps = {"requested_bytes": plan.bucket_cap_bytes, "requested_first_bytes": plan.first_bucket_cap_bytes,
-                "planned_bytes": [b.nbytes for b in plan.buckets], "aligned_to": list(plan.aligned_to)}
-        entry = GraphEntry(name=graph.name, pieces=graph.pieces, buckets=[b.to_dict() for b in plan.buckets],
-                           seconds=0.0, step=self.ctx.calls(), bucket_caps=caps,
-                           restrided=graph.restrided if graph.pieces > 1 else None)
+        caps = {
+            "requested_bytes": plan.bucket_cap_bytes,
+            "requested_first_bytes": plan.first_bucket_cap_bytes,
+            "planned_bytes": [b.nbytes for b in plan.buckets],
+            "aligned_to": list(plan.aligned_to),
+        }
+        entry = GraphEntry(
+            name=graph.name,
+            pieces=graph.pieces,
+            buckets=[b.to_dict() for b in plan.buckets],
+            seconds=0.0,
+            step=self.ctx.calls(),
+            bucket_caps=caps,
+            restrided=graph.restrided if graph.pieces > 1 else None,
+        )
         with self.ctx.log.lock:
             self.ctx.log.graphs.append(entry)
         self.alignment.record(self.ctx.calls(), graph)
@@ -162,8 +176,9 @@ class TorchMode(CompileMode):
     name = "torch"
 
     def _alignment(self) -> ReducerAlignment:
-        return ReducerAlignment(ddp=self.ctx.ddp, names=self.ctx.names, status="not ours",
-                                detail="ddp='torch' leaves bucketing to PyTorch")
+        return ReducerAlignment(
+            ddp=self.ctx.ddp, names=self.ctx.names, status="not ours", detail="ddp='torch' leaves bucketing to PyTorch"
+        )
 
     def backend(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         log = self.ctx.log  # PyTorch's DDPOptimizer calls this once per piece it made
@@ -188,13 +203,21 @@ class InGraphMode(CompileMode):
             raise ValueError(f"ddp='in_graph' cannot keep DDP's behaviour here: {blocker.text}; use ddp='split'")
         super().__init__(ctx)
         self._reducer = InGraphReducer(
-            ctx.ddp, names=ctx.names, bucket_cap_bytes=ctx.cap_bytes, first_bucket_cap_bytes=ctx.first_cap_bytes,
-            agreement=ctx.agreement, reduce_dtype=ctx.config.reduce_dtype,
+            ctx.ddp,
+            names=ctx.names,
+            bucket_cap_bytes=ctx.cap_bytes,
+            first_bucket_cap_bytes=ctx.first_cap_bytes,
+            agreement=ctx.agreement,
+            reduce_dtype=ctx.config.reduce_dtype,
         )
 
     def _alignment(self) -> ReducerAlignment:
-        return ReducerAlignment(ddp=self.ctx.ddp, names=self.ctx.names, status="not applicable",
-                                detail="ddp='in_graph': the compiled backward all-reduces, DDP's reducer stays idle")
+        return ReducerAlignment(
+            ddp=self.ctx.ddp,
+            names=self.ctx.names,
+            status="not applicable",
+            detail="ddp='in_graph': the compiled backward all-reduces, DDP's reducer stays idle",
+        )
 
     @property
     def reducer(self) -> InGraphReducer:
@@ -209,8 +232,16 @@ class InGraphMode(CompileMode):
         for bucket, op in zip(buckets, after or ["(compiled artifact from cache)"] * len(buckets)):
             bucket["after"] = op
         with log.lock:
-            log.graphs.append(GraphEntry(name=name, pieces=1, buckets=buckets, seconds=0.0, step=self.ctx.calls(),
-                                         variant=self._reducer.variant))
+            log.graphs.append(
+                GraphEntry(
+                    name=name,
+                    pieces=1,
+                    buckets=buckets,
+                    seconds=0.0,
+                    step=self.ctx.calls(),
+                    variant=self._reducer.variant,
+                )
+            )
         return compiled
 
     def install(self, model: torch.nn.Module, inner: torch.nn.Module, events: CompileEvents) -> None:
@@ -228,8 +259,12 @@ class InGraphMode(CompileMode):
         return {"in_graph": self._reducer.to_dict()}
 
 
-MODES: dict[str, type[CompileMode]] = {"split": SplitMode, "none": WholeMode, "torch": TorchMode,
-                                       "in_graph": InGraphMode}
+MODES: dict[str, type[CompileMode]] = {
+    "split": SplitMode,
+    "none": WholeMode,
+    "torch": TorchMode,
+    "in_graph": InGraphMode,
+}
 """The class behind each `ddp=` value (compile_core.config.DDP_MODES)."""
 
 
@@ -246,5 +281,4 @@ def make_mode(ctx: ModeContext) -> CompileMode:
     return MODES[asked or "split"](ctx)
 
 
-__all__ = ["MODES", "CompileMode", "InGraphMode", "ModeContext", "SplitMode", "TorchMode", "WholeMode",
-           "make_mode"]
+__all__ = ["MODES", "CompileMode", "InGraphMode", "ModeContext", "SplitMode", "TorchMode", "WholeMode", "make_mode"]

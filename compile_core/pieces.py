@@ -6,6 +6,7 @@ with the error that caused it. Dynamo's own restart signal is passed through unt
 "trace again", not "this compiler failed". Which pieces are compiled at all, and by which rank, is
 compile_core/reuse/compile_once.py's business (Note [Compile once]).
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,9 +17,9 @@ import torch.fx as fx
 from aot import GraphPair, aot_compile, nop_compiler
 from aot.torch_dynamo import RestartAnalysis, non_lazy_backward
 from aot.torch_dynamo_cache import CacheOutcome, watch_caches
-from compile_core.reuse.compile_once import CompileOnce, Compiled, Job
 from compile_core.config import CompileConfig
 from compile_core.report import CompileLog
+from compile_core.reuse.compile_once import Compiled, CompileOnce, Job
 from inductor import inductor_compile
 from inductor.torch_inductor import disk_caches_enabled
 
@@ -35,7 +36,8 @@ class PieceCompiler:
         self.once = CompileOnce(
             reuse=named and config.reuse_pieces,
             claims=config.backend == "inductor" and disk_caches_enabled(),
-            records=compile_log.pieces, lock=compile_log.lock,
+            records=compile_log.pieces,
+            lock=compile_log.lock,
         )
 
     def __call__(
@@ -51,8 +53,12 @@ class PieceCompiler:
     ) -> list[tuple[Callable[..., Any], bool]]:
         """Compile graphs that run together (a split graph's pieces, in forward order)."""
         jobs = [Job(gm=gm, inputs=list(inputs), name=name) for gm, inputs, name in items]
-        extra = (self.config.backend_name, sorted(self.config.inductor_settings().config_patches().items()),
-                 None if partitioner is None else partitioner.uuid(), self.config.dynamic)
+        extra = (
+            self.config.backend_name,
+            sorted(self.config.inductor_settings().config_patches().items()),
+            None if partitioner is None else partitioner.uuid(),
+            self.config.dynamic,
+        )
         results = self.once.compile_all(jobs, extra, lambda job: self._compile_chain(job, partitioner), reuse=reuse)
         return [(r.fn, r.used_aot) for r in results]
 
@@ -67,8 +73,13 @@ class PieceCompiler:
             except Exception as exc:  # noqa: BLE001 - any compiler failure moves to the next backend
                 if backend == chain[-1]:
                     raise
-                log.warning("compile_core: %s failed to compile %s: %r; falling back", backend, job.name, exc,
-                            exc_info=log.isEnabledFor(logging.DEBUG))
+                log.warning(
+                    "compile_core: %s failed to compile %s: %r; falling back",
+                    backend,
+                    job.name,
+                    exc,
+                    exc_info=log.isEnabledFor(logging.DEBUG),
+                )
                 if first_error is None:
                     first_error = (backend, exc)
                 continue
@@ -76,7 +87,12 @@ class PieceCompiler:
                 failed, exc = first_error
                 with self.log.lock:
                     self.log.fallbacks.append(
-                        {"piece": job.name, "from": failed, "to": backend, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                        {
+                            "piece": job.name,
+                            "from": failed,
+                            "to": backend,
+                            "error": f"{type(exc).__name__}: {exc}"[:500],
+                        }
                     )
             return compiled
         raise AssertionError("unreachable: the last backend either returns or raises")
@@ -87,20 +103,27 @@ class PieceCompiler:
         if backend == "eager":
             return Compiled(fn=gm.forward, used_aot=False, backend=backend, cache=CacheOutcome())
         if backend == "custom":
-            return Compiled(fn=self.config.backend(gm, example_inputs), used_aot=False, backend=backend,
-                            cache=CacheOutcome())
+            return Compiled(
+                fn=self.config.backend(gm, example_inputs), used_aot=False, backend=backend, cache=CacheOutcome()
+            )
         pair = GraphPair(name=name)
         # The backward is compiled with the forward: the cache entry is complete at once, and one
         # compiled piece can serve several identical pieces (Note [Compile once]).
         with non_lazy_backward(), watch_caches() as cache:
             if backend == "aot_eager":
                 compiled = aot_compile(
-                    gm, example_inputs, fw_compiler=nop_compiler, bw_compiler=nop_compiler, pair=pair,
+                    gm,
+                    example_inputs,
+                    fw_compiler=nop_compiler,
+                    bw_compiler=nop_compiler,
+                    pair=pair,
                     partition_fn=partitioner,
                 )
             else:
                 compiled = inductor_compile(
-                    gm, example_inputs, settings=self.config.inductor_settings(),
+                    gm,
+                    example_inputs,
+                    settings=self.config.inductor_settings(),
                     on_graph=lambda graph, is_backward: pair.record(graph, backward=is_backward),
                     partitioner=partitioner,
                 )

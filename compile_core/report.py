@@ -1,4 +1,5 @@
 """`CompileReport`: what was compiled, how it was split, and everything that went differently."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,16 @@ class CompileLog:
         """`PieceRecord` per compiled or reused graph/piece (compile_core/reuse/compile_once.py)."""
 
     def snapshot(
-        self, *, mode: str, backend: str, events: CompileEvents, alignment: dict, observed_alignment: dict | None,
-        notes: list[str] = (), rank_differences: list[dict] = (), in_graph: dict | None = None,
+        self,
+        *,
+        mode: str,
+        backend: str,
+        events: CompileEvents,
+        alignment: dict,
+        observed_alignment: dict | None,
+        notes: list[str] = (),
+        rank_differences: list[dict] = (),
+        in_graph: dict | None = None,
     ) -> "CompileReport":
         with self.lock, events.lock:
             return CompileReport(
@@ -132,11 +141,16 @@ class CompileReport:
             "ddp_mode": self.mode,
             "backend": self.backend,
             "graphs": [
-                {"name": g.name, "pieces": g.pieces, "buckets": [dict(b) for b in g.buckets],
-                 "compile_seconds": round(g.seconds, 4), "step": g.step,
-                 **({"variant": g.variant} if g.variant is not None else {}),
-                 **({"bucket_caps": dict(g.bucket_caps)} if g.bucket_caps is not None else {}),
-                 **({"restrided": list(g.restrided)} if g.restrided is not None else {})}
+                {
+                    "name": g.name,
+                    "pieces": g.pieces,
+                    "buckets": [dict(b) for b in g.buckets],
+                    "compile_seconds": round(g.seconds, 4),
+                    "step": g.step,
+                    **({"variant": g.variant} if g.variant is not None else {}),
+                    **({"bucket_caps": dict(g.bucket_caps)} if g.bucket_caps is not None else {}),
+                    **({"restrided": list(g.restrided)} if g.restrided is not None else {}),
+                }
                 for g in self.graphs
             ],
             "graph_breaks": [dict(x) for x in self.graph_breaks],
@@ -163,26 +177,38 @@ class CompileReport:
             out.append(f"  {g.name} (step {g.step}): {g.pieces} piece(s){variant}, {g.seconds:.2f}s")
             if g.bucket_caps is not None and g.bucket_caps["planned_bytes"]:
                 caps, planned = g.bucket_caps, g.bucket_caps["planned_bytes"]
-                where = f" at {', '.join(c + '.<i>' if c else '<i>' for c in caps['aligned_to'])} boundaries" if caps["aligned_to"] else ""
+                where = (
+                    f" at {', '.join(c + '.<i>' if c else '<i>' for c in caps['aligned_to'])} boundaries"
+                    if caps["aligned_to"]
+                    else ""
+                )
                 out.append(
-                    f"    buckets: requested {caps['requested_bytes'] / MiB:.3g} MiB (first {caps['requested_first_bytes'] / MiB:.3g}), "
+                    f"    buckets: requested {caps['requested_bytes'] / MiB:.3g} MiB "
+                    f"(first {caps['requested_first_bytes'] / MiB:.3g}), "
                     f"planned {min(planned) / MiB:.3g}-{max(planned) / MiB:.3g} MiB{where}"
                 )
             for i, b in enumerate(g.buckets):
                 after = f"  [all-reduce after {b['after']}]" if "after" in b else ""
                 out.append(f"    bucket {i:>2}  {b['bytes'] / MiB:9.3f} MiB  {_short_names(b['params'])}{after}")
         align = self.alignment
-        out.append(f"  DDP bucket alignment: {align.get('status')}" + (f" ({align['detail']})" if align.get("detail") else ""))
+        out.append(
+            f"  DDP bucket alignment: {align.get('status')}" + (f" ({align['detail']})" if align.get("detail") else "")
+        )
         if self.observed_alignment is not None:
             out.extend(f"  {line}" for line in self.observed_alignment["text"].splitlines())
         if self.in_graph is not None:
             ig = self.in_graph
             wire = f", wire dtype {ig['reduce_dtype']}" if ig.get("reduce_dtype") else ""
             hook = f", comm hook {ig['comm_hook']}" if ig.get("comm_hook") else ""
-            out.append(f"  in-graph reduction: by the {ig['reducer']}{hook}{wire}"
-                       + (f" ({ig['reason']})" if ig.get("reason") else ""))
+            out.append(
+                f"  in-graph reduction: by the {ig['reducer']}{hook}{wire}"
+                + (f" ({ig['reason']})" if ig.get("reason") else "")
+            )
             if ig.get("outside_graph"):
-                out.append(f"    reduced after the backward (gradients from outside one graph): {', '.join(ig['outside_graph'])}")
+                out.append(
+                    "    reduced after the backward (gradients from outside one graph): "
+                    + ", ".join(ig["outside_graph"])
+                )
             for f in ig.get("fallbacks", ()):
                 out.append(f"    {f['graph']}: all-reduced after the backward: {f['reason']}")
         sections = (
@@ -190,7 +216,11 @@ class CompileReport:
             ("recompiles", self.recompiles, lambda x: x["reason"]),
             ("fallbacks", self.fallbacks, lambda x: f"{x['piece']}: {x['from']} -> {x['to']} ({x['error']})"),
             ("notes", self.notes, str),
-            ("other ranks compiled differently", self.rank_differences, lambda x: f"rank {x['rank']}: {x['difference']}"),
+            (
+                "other ranks compiled differently",
+                self.rank_differences,
+                lambda x: f"rank {x['rank']}: {x['difference']}",
+            ),
         )
         for title, rows, fmt in sections:
             out.append(f"  {title}: {len(rows) if rows else 'none'}")
@@ -203,7 +233,11 @@ class CompileReport:
             )
             for r in self.piece_compiles:
                 how = f"reused from {r['reused_from']}" if r["reused_from"] else r["cache"]
-                waited = f", waited {r['waited_s']:.1f}s for {r['waited_for']} ({r['leader']})" if r.get("waited_for") else ""
+                waited = (
+                    f", waited {r['waited_s']:.1f}s for {r['waited_for']} ({r['leader']})"
+                    if r.get("waited_for")
+                    else ""
+                )
                 out.append(f"    - {r['name']}: {how}, {r['seconds']:.2f}s{waited}")
         if self.pairs:
             out.append(f"  forward/backward pairs: {len(self.pairs)}")

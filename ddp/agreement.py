@@ -11,7 +11,8 @@ Algorithm: each rank writes its value under `<prefix>/<topic>/<n>/<rank>` in the
 process group's store, where `n` counts this topic's exchanges on this rank, then waits for the
 keys of the other ranks of the group with a bounded timeout (the store's own wait: nothing polls).
 Once exchange n is complete, every rank has finished reading exchange n-1, so each rank deletes
-its key of n-1: the store holds at most two keys per rank and topic however long the job runs. The exchange goes through the store,
+its key of n-1: the store holds at most two keys per rank and topic however long the job runs.
+The exchange goes through the store,
 not through a collective of the group, so a rank that enters it alone cannot be paired with
 another rank's all-reduce: it times out, and the error lists the ranks whose key never came.
 Values that differ raise an error naming each rank that differs from the lowest rank and how.
@@ -23,6 +24,7 @@ exchanges nothing.
 
 Debugging: the error message carries the topic, the exchange number and each rank's value.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,7 +68,9 @@ def env_seconds(name: str, default: float) -> float:
 class AgreementTimeouts:
     """How long a rank waits for the others at an exchange."""
 
-    first_timeout_s: float = dataclasses.field(default_factory=lambda: env_seconds("DDP_COMPILE_FIRST_TIMEOUT_S", 900.0))
+    first_timeout_s: float = dataclasses.field(
+        default_factory=lambda: env_seconds("DDP_COMPILE_FIRST_TIMEOUT_S", 900.0)
+    )
     """The first exchange of a topic (other ranks may still be compiling)."""
     timeout_s: float = dataclasses.field(default_factory=lambda: env_seconds("DDP_COMPILE_TIMEOUT_S", 120.0))
     """Every later exchange."""

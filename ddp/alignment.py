@@ -32,6 +32,7 @@ Debugging: `CompiledModel.report()` lists planned buckets and this alignment's s
 `ddp.overlap.OverlapRecorder` attached it also compares them with the buckets DDP really reduced.
 Tests record DDP's real buckets through a comm hook and compare.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -94,8 +95,11 @@ def rebuild_reducer(ddp: DistributedDataParallel, layout: Sequence[Sequence[int]
     """
     parameters, expect_sparse = torch_ddp.reducer_params(ddp)
     frozen = torch_ddp.install_reducer(ddp, parameters, expect_sparse, layout)
-    log.info("ddp: reducer rebuilt with %d bucket(s) aligned to compiled pieces%s", len(layout),
-             "" if frozen else " (DDP may still re-cut them after its first backward)")
+    log.info(
+        "ddp: reducer rebuilt with %d bucket(s) aligned to compiled pieces%s",
+        len(layout),
+        "" if frozen else " (DDP may still re-cut them after its first backward)",
+    )
     return frozen
 
 
@@ -196,14 +200,19 @@ class ReducerAlignment:
         self.status = "aligned"
         self.detail = f"DDP reducer uses our {len(chosen)} bucket(s) from step {step + 1}"
         if not frozen:
-            why = ("find_unused_parameters keeps DDP from rebuilding" if self.ddp.find_unused_parameters
-                   else "dtypes need conflicting caps: DDP re-cuts them by the order gradients become ready after step 2")
+            why = (
+                "find_unused_parameters keeps DDP from rebuilding"
+                if self.ddp.find_unused_parameters
+                else "dtypes need conflicting caps: DDP re-cuts them by the order gradients become ready after step 2"
+            )
             self.detail += f" ({why})"
         if differing:
             # Correct on every rank (all reduce rank 0's buckets), but those ranks' pieces may not match.
             self.detail += f"; ranks {differing} planned differently and use rank {first}'s buckets"
             self.notes.append(f"ranks {differing} compiled other pieces than rank {first} (see alignment)")
-            log.warning("ddp: ranks %s planned other buckets than rank %d; every rank uses rank %d's", differing, first, first)
+            log.warning(
+                "ddp: ranks %s planned other buckets than rank %d; every rank uses rank %d's", differing, first, first
+            )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status}

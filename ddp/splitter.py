@@ -32,6 +32,7 @@ tracing context for a lazily compiled backward.
 Debugging: each recorded `SplitGraph` carries its plan; `str(plan)` shows pieces and parameters;
 `TORCH_LOGS=+ddp.splitter` (or logging at DEBUG for `ddp.splitter`) prints the split graph.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -131,8 +132,9 @@ class _Piece(torch.nn.Module):
     """Calls a compiled piece, keeps its outputs in the layout the next piece expects, and restores
     the submodule's own output convention."""
 
-    def __init__(self, fn: Callable[..., Any], single_output: bool, expected: tuple | None,
-                 counts: list[int], index: int) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], single_output: bool, expected: tuple | None, counts: list[int], index: int
+    ) -> None:
         super().__init__()
         self.fn = fn
         self.single_output = single_output
@@ -157,8 +159,13 @@ class _Piece(torch.nn.Module):
             if fixed is None:
                 fixed = list(out)
                 if self.counts[self.index] == 0:
-                    log.debug("piece %d output %d has strides %s, the next piece expects %s: copying",
-                              self.index, i, t.stride(), want[1])
+                    log.debug(
+                        "piece %d output %d has strides %s, the next piece expects %s: copying",
+                        self.index,
+                        i,
+                        t.stride(),
+                        want[1],
+                    )
                 self.counts[self.index] += 1
             fixed[i] = t.new_empty_strided(want[0], want[1]).copy_(t)
         return out if fixed is None else type(out)(fixed)
@@ -169,8 +176,10 @@ def _expected_layouts(outputs: Any) -> tuple | None:
     outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     layouts = []
     for t in outs:
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and all(
-            isinstance(v, int) for v in (*t.shape, *t.stride())
+        if (
+            isinstance(t, torch.Tensor)
+            and t.layout == torch.strided
+            and all(isinstance(v, int) for v in (*t.shape, *t.stride()))
         ):
             layouts.append((tuple(t.shape), tuple(t.stride())))
         else:

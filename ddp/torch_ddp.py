@@ -8,6 +8,7 @@ the function and the torch file it mirrors. Everything is read from torch 2.13's
 Public DDP API (`register_comm_hook`, `no_sync`, `process_group`, `bucket_bytes_cap`, ...) is used
 directly elsewhere and does not belong here.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -11,6 +11,7 @@ place by `compile_core.integrations.accelerate.compile`; the loop is unchanged. 
 rank saves its parameters, rank 0 the compile report (JSON) and `accelerator.save_model`'s checkpoint.
 Needs the [accelerate] extra: pip install -e ".[accelerate]".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         plain = accelerator.unwrap_model(model)
-        torch.save({n: p.detach().clone() for n, p in plain.named_parameters()},
-                   args.out / f"params_rank{accelerator.process_index}.pt")
+        torch.save(
+            {n: p.detach().clone() for n, p in plain.named_parameters()},
+            args.out / f"params_rank{accelerator.process_index}.pt",
+        )
         accelerator.save_model(model, args.out / "model")  # rank 0 writes model.safetensors
         if accelerator.is_main_process and compiled is not None:
             (args.out / "report.json").write_text(json.dumps(compiled.report().to_dict(), default=str))

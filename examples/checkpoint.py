@@ -24,6 +24,7 @@ is enough for DDP (every rank holds the same model and optimizer state); sharded
 Debugging: `ls <dir>`; each `.done` is one JSON line; `python -c "import examples.checkpoint as c;
 print(c.latest('<dir>'))"`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,8 +85,9 @@ def save(directory: str, step: int, state: dict[str, Any], *, keep: int = 2) -> 
     path, marker = _paths(directory, step)
     _write_atomically(path, data)
     _fsync_dir(directory)  # the file's rename is durable before the marker claims it
-    _write_atomically(marker, json.dumps({"step": step, "bytes": len(data),
-                                          "sha256": hashlib.sha256(data).hexdigest()}).encode())
+    _write_atomically(
+        marker, json.dumps({"step": step, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}).encode()
+    )
     _fsync_dir(directory)
     for old in sorted(_steps(directory))[:-keep]:
         for p in _paths(directory, old)[::-1]:  # marker first: never a marker without its file
@@ -118,8 +120,10 @@ def latest(directory: str) -> Found:
             skipped.append(f"{path}: {err}")
             continue
         if len(data) != meta.get("bytes") or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-            skipped.append(f"{path}: {len(data)} bytes that do not match its marker "
-                           f"({meta.get('bytes')} bytes, sha256 {str(meta.get('sha256'))[:12]}...): torn")
+            skipped.append(
+                f"{path}: {len(data)} bytes that do not match its marker "
+                f"({meta.get('bytes')} bytes, sha256 {str(meta.get('sha256'))[:12]}...): torn"
+            )
             continue
         return Found(step=step, path=path, skipped=tuple(skipped))
     return Found(step=None, path=None, skipped=tuple(skipped))

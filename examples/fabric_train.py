@@ -9,6 +9,7 @@ the compile report once, after the first optimizer step. With `--out DIR` each r
 parameters, rank 0 the compile report (JSON), and `fabric.save` writes a checkpoint. Needs the
 [lightning] extra: pip install -e ".[lightning]".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,12 @@ def token_dataset(n: int, seq_len: int = 16) -> TensorDataset:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", choices=("compile", "ddp"), default="compile",
-                   help="compile: FabricDDPCompileStrategy; ddp: Fabric's own ddp strategy (no compile)")
+    p.add_argument(
+        "--strategy",
+        choices=("compile", "ddp"),
+        default="compile",
+        help="compile: FabricDDPCompileStrategy; ddp: Fabric's own ddp strategy (no compile)",
+    )
     p.add_argument("--backend", choices=BACKENDS, default="inductor")
     p.add_argument("--ddp-mode", choices=("split", "in_graph", "none", "torch"), default="split")
     p.add_argument("--bucket-cap-mb", type=float, default=0.05, help="DDP's bucket cap (small: several buckets)")
@@ -56,8 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("compile_core").setLevel(logging.INFO)  # the report, logged once after step 1
     if args.strategy == "compile":
-        strategy = FabricDDPCompileStrategy(compile_config={"backend": args.backend, "ddp": args.ddp_mode},
-                                            bucket_cap_mb=args.bucket_cap_mb)
+        strategy = FabricDDPCompileStrategy(
+            compile_config={"backend": args.backend, "ddp": args.ddp_mode}, bucket_cap_mb=args.bucket_cap_mb
+        )
     else:
         strategy = DDPStrategy(bucket_cap_mb=args.bucket_cap_mb)
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=args.devices)
@@ -67,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     gpt = GPT(CFG)
     optimizer = torch.optim.SGD(gpt.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = fabric.setup(gpt, optimizer)  # DDP around gpt, compiled by the strategy
-    loader = fabric.setup_dataloaders(DataLoader(token_dataset(args.steps * args.batch * args.devices),
-                                                 batch_size=args.batch))
+    loader = fabric.setup_dataloaders(
+        DataLoader(token_dataset(args.steps * args.batch * args.devices), batch_size=args.batch)
+    )
     model.train()
     for step, (x, y) in enumerate(loader):
         loss = lm_loss(model(x), y)
@@ -79,8 +86,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        torch.save({n: p.detach().clone() for n, p in gpt.named_parameters()},
-                   args.out / f"params_rank{fabric.global_rank}.pt")
+        torch.save(
+            {n: p.detach().clone() for n, p in gpt.named_parameters()}, args.out / f"params_rank{fabric.global_rank}.pt"
+        )
         fabric.save(args.out / "model.ckpt", {"model": model, "optimizer": optimizer})
         if fabric.global_rank == 0 and isinstance(strategy, FabricDDPCompileStrategy):
             (args.out / "report.json").write_text(json.dumps(strategy.compile_report().to_dict(), default=str))

@@ -3,6 +3,7 @@
 No downloads: tokens come from a seeded generator. The model's shape (`GPTConfig`) and its named presets
 (`GPT_PRESETS`) live in examples/gpt_config.py, which imports no torch; both are re-exported here.
 """
+
 from __future__ import annotations
 
 import torch

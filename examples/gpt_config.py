@@ -4,6 +4,7 @@ The demo job (examples/train_gpt.py), the integration examples and the benchmark
 build their model from a preset here, changing only what their command line asks for. This module imports
 no torch: the benchmark driver validates its workloads before it checks that torch is installed.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -9,6 +9,7 @@ compile report once, after the first step. With `--out DIR` each rank saves its 
 the compile report (JSON) and a Lightning checkpoint (what tests/multi_gpu/test_lightning_multirank.py
 compares against `--strategy ddp`). Needs the [lightning] extra: pip install -e ".[lightning]".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,12 @@ def token_dataset(n: int, seq_len: int = 16) -> TensorDataset:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", choices=("compile", "ddp"), default="compile",
-                   help="compile: DDPCompileStrategy; ddp: Lightning's own ddp strategy (no compile)")
+    p.add_argument(
+        "--strategy",
+        choices=("compile", "ddp"),
+        default="compile",
+        help="compile: DDPCompileStrategy; ddp: Lightning's own ddp strategy (no compile)",
+    )
     p.add_argument("--backend", choices=BACKENDS, default="inductor")
     p.add_argument("--ddp-mode", choices=("split", "in_graph", "none", "torch"), default="split")
     p.add_argument("--bucket-cap-mb", type=float, default=0.05, help="DDP's bucket cap (small: several buckets)")
@@ -78,14 +83,21 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("compile_core").setLevel(logging.INFO)  # the report, logged once after step 1
     torch.manual_seed(0)
     if args.strategy == "compile":
-        strategy = DDPCompileStrategy(compile_config={"backend": args.backend, "ddp": args.ddp_mode},
-                                      bucket_cap_mb=args.bucket_cap_mb)
+        strategy = DDPCompileStrategy(
+            compile_config={"backend": args.backend, "ddp": args.ddp_mode}, bucket_cap_mb=args.bucket_cap_mb
+        )
     else:
         strategy = L.pytorch.strategies.DDPStrategy(bucket_cap_mb=args.bucket_cap_mb)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     model = LitGPT()
     sequences = args.steps * args.accumulate * args.batch * args.devices

@@ -24,6 +24,7 @@ WARNING` hides them. The process-group backend comes from DDP_COMPILE_DIST_BACKE
 else nccl when this rank has a GPU, else gloo. The model is the `demo` preset of examples/gpt_config.py, with
 --d-model, --layers, --vocab and --seq-len replacing its fields.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,8 +96,9 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
         if self.d_model % _MODEL.n_heads:
-            raise ValueError(f"--d-model {self.d_model}: must be a multiple of {_MODEL.n_heads} "
-                             f"({_MODEL.n_heads} attention heads)")
+            raise ValueError(
+                f"--d-model {self.d_model}: must be a multiple of {_MODEL.n_heads} ({_MODEL.n_heads} attention heads)"
+            )
         if self.mode not in MODES:
             raise ValueError(f"--mode {self.mode!r}: choose one of {', '.join(MODES)}")
         if self.mode != "eager":  # eager compiles nothing and never imports the compile stack (1+ s, Dynamo)
@@ -109,8 +111,9 @@ class TrainConfig:
 
     def gpt(self) -> GPTConfig:
         """The model: the `demo` preset with this config's width, depth, vocabulary and sequence length."""
-        return dataclasses.replace(_MODEL, vocab_size=self.vocab, d_model=self.d_model, n_layers=self.layers,
-                                   max_seq_len=self.seq_len)
+        return dataclasses.replace(
+            _MODEL, vocab_size=self.vocab, d_model=self.d_model, n_layers=self.layers, max_seq_len=self.seq_len
+        )
 
 
 def parse_args(argv: list[str] | None) -> TrainConfig:
@@ -143,6 +146,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimizer, scheduler: Any):
     """Returns (step(x, y) -> loss, report() -> str or None) for the chosen mode."""
+
     def manual_step(forward):
         # eager optimizer around a (compiled or eager) forward: the baseline a user writes by hand
         def step(x, y):
@@ -152,6 +156,7 @@ def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimize
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             return loss.detach()
+
         return step
 
     if cfg.mode == "eager":
@@ -160,8 +165,9 @@ def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimize
     import compile_core
 
     if cfg.mode == "train_step":
-        step = compile_core.train_step(ddp_model, optimizer, lm_loss, backend=cfg.backend, ddp="split",
-                                       lr_scheduler=scheduler)
+        step = compile_core.train_step(
+            ddp_model, optimizer, lm_loss, backend=cfg.backend, ddp="split", lr_scheduler=scheduler
+        )
         return step, lambda: str(step.report())
     compiled = compile_core.compile(ddp_model, backend=cfg.backend, ddp="split")
     return manual_step(compiled), lambda: str(compiled.report())
@@ -210,8 +216,11 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     step, report = build_step(cfg, ddp_model, optimizer, scheduler)
     n_params = sum(p.numel() for p in model.parameters())
-    say(f"train_gpt: {world} ranks ({dist.get_backend()}), mode={cfg.mode}, backend={cfg.backend}, "
-        f"{n_params / 1e6:.2f}M params, batch {cfg.batch}x{cfg.seq_len} per rank", flush=True)
+    say(
+        f"train_gpt: {world} ranks ({dist.get_backend()}), mode={cfg.mode}, backend={cfg.backend}, "
+        f"{n_params / 1e6:.2f}M params, batch {cfg.batch}x{cfg.seq_len} per rank",
+        flush=True,
+    )
 
     tokens_per_step = cfg.batch * cfg.seq_len * world
     times: list[float] = []
@@ -227,8 +236,11 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
         # this one covers eager mode, and comes after the step so a first-step compile stays in the grace.
         heartbeat.beat()
         times.append(dt)
-        say(f"step {i + 1:4d}/{cfg.steps}  loss {loss_value:.4f}  {dt * 1e3:8.1f} ms  "
-            f"{tokens_per_step / dt:10.0f} tok/s", flush=True)
+        say(
+            f"step {i + 1:4d}/{cfg.steps}  loss {loss_value:.4f}  {dt * 1e3:8.1f} ms  "
+            f"{tokens_per_step / dt:10.0f} tok/s",
+            flush=True,
+        )
         if i == start and (text := report()) is not None:
             say(f"compile report (rank 0):\n{text}", flush=True)
         if cfg.checkpoint_dir and (i + 1) % cfg.checkpoint_every == 0 and i + 1 < cfg.steps:
@@ -239,9 +251,12 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
     first_note = " (includes compile)" if cfg.mode != "eager" else ""
     if cfg.checkpoint_dir:
         save_checkpoint(cfg, rank, cfg.steps, model, optimizer, scheduler)  # the final state, for a later run
-    say(f"summary: {len(times)} steps in {total:.1f}s; first step {times[0] * 1e3:.0f} ms{first_note}; "
+    say(
+        f"summary: {len(times)} steps in {total:.1f}s; first step {times[0] * 1e3:.0f} ms{first_note}; "
         f"median step after that {median * 1e3:.1f} ms = {tokens_per_step / median:.0f} tok/s over {world} ranks; "
-        f"final loss {loss.item():.4f}", flush=True)
+        f"final loss {loss.item():.4f}",
+        flush=True,
+    )
 
 
 class _Warmup:
@@ -254,12 +269,18 @@ class _Warmup:
         return min(1.0, (step + 1) / self.steps)
 
 
-def save_checkpoint(cfg: TrainConfig, rank: int, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+def save_checkpoint(
+    cfg: TrainConfig, rank: int, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> None:
     """Rank 0 writes the state after `step` steps; the others wait for it (a checkpoint is a step boundary)."""
     if rank == 0:
-        state = {"step": step, "data_step": step, "model": model.state_dict(),
-                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        state = {
+            "step": step,
+            "data_step": step,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+        }
         path = checkpoint.save(cfg.checkpoint_dir, step, state)
         print(f"train_gpt: checkpoint of step {step} written ({path})", flush=True)
     heartbeat.beat()

@@ -32,6 +32,7 @@ The blob is the job's own data between its ranks, as trusted as the rest of the 
 Debugging: `unpack(blob)` shows the header; `TORCH_LOGS=+torch._functorch._aot_autograd.autograd_cache`
 shows the receiver's cache decisions.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -89,8 +90,9 @@ def pack(captured: Capture, directory: str, meta: dict[str, Any] | None = None) 
         libraries.append([rel, len(data)])
         parts.append(data)
     cache = captured.cache or b""
-    header = json.dumps({"cache": len(cache), "libraries": libraries, "meta": meta or {},
-                         "torch": torch.__version__}).encode()
+    header = json.dumps(
+        {"cache": len(cache), "libraries": libraries, "meta": meta or {}, "torch": torch.__version__}
+    ).encode()
     return b"".join([MAGIC, _LENGTH.pack(len(header)), header, cache, *parts])
 
 
@@ -101,7 +103,7 @@ def unpack(blob: bytes) -> Unpacked:
     (length,) = _LENGTH.unpack_from(blob, 8)
     start = 8 + _LENGTH.size
     try:
-        header = json.loads(blob[start:start + length])
+        header = json.loads(blob[start : start + length])
         cache_len = int(header["cache"])
         entries = [(str(rel), int(n)) for rel, n in header["libraries"]]
         meta = dict(header["meta"])
@@ -110,13 +112,13 @@ def unpack(blob: bytes) -> Unpacked:
     if header.get("torch") != torch.__version__:
         raise ValueError(f"shipped compile made by torch {header.get('torch')}, this is {torch.__version__}")
     pos = start + length
-    cache = blob[pos:pos + cache_len]
+    cache = blob[pos : pos + cache_len]
     pos += cache_len
     libraries = {}
     for rel, n in entries:
         if not KERNEL_LIBRARY.match(rel):
             raise ValueError(f"shipped compile names a library {rel!r} that is not a kernel library path")
-        libraries[rel] = blob[pos:pos + n]
+        libraries[rel] = blob[pos : pos + n]
         pos += n
     if pos != len(blob) or len(cache) != cache_len:
         raise ValueError(f"shipped compile is {len(blob)} bytes, its header accounts for {pos}")

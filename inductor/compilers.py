@@ -6,6 +6,7 @@ We call that entry point and wrap its inner compiler, so the graphs Inductor com
 by the caller (as forward/backward pairs) without this module knowing what a pair or a bucket is.
 `mode` and `options` mean what they mean for `torch.compile`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +40,7 @@ class InductorSettings:
             known = option_names()
             unknown = [k for k in self.options if k not in known]
             if unknown:
-                raise ValueError(
-                    f"options {unknown} are not Inductor config names; see torch._inductor.list_options()"
-                )
+                raise ValueError(f"options {unknown} are not Inductor config names; see torch._inductor.list_options()")
 
     def config_patches(self) -> dict[str, Any]:
         patches = mode_options(self.mode, self.dynamic) if self.mode else {}

@@ -5,6 +5,7 @@
 outer one runs AOTAutograd with Inductor's decompositions and partitioner, the inner one compiles
 one forward or backward graph. `tests/single/test_torch_internals.py` has a canary per function.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,7 +50,9 @@ def compile_fx_with(
         on_graph(graph, bool(kwargs.get("is_backward", False)))
         return compile_fx_inner(graph, inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=dict(config_patches or {}) or None)
+    return compile_fx(
+        gm, example_inputs, inner_compile=inner_compile, config_patches=dict(config_patches or {}) or None
+    )
 
 
 def cache_dir() -> str:
@@ -95,7 +98,9 @@ def order_after(graph: fx.Graph, deps: dict[fx.Node, list[fx.Node]]) -> None:
     preserve_node_ordering(graph, {node: OrderedSet(before) for node, before in deps.items() if before})
 
 
-def partitioner_patch(partition: Callable[..., Any], uuid: str, patches: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def partitioner_patch(
+    partition: Callable[..., Any], uuid: str, patches: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Inductor config that runs `partition(joint_gm, joint_inputs, base=..., **kwargs)` instead of min-cut.
 
     Mirrors `torch._inductor.config.custom_partitioner_fn`, a `CustomPartitionerFn`
@@ -113,12 +118,16 @@ def partitioner_patch(partition: Callable[..., Any], uuid: str, patches: Mapping
 
     patches = dict(patches or {})
     user = patches.get("custom_partitioner_fn", inductor_config.custom_partitioner_fn)
-    cacheable = dict(patches.get("unsafe_marked_cacheable_functions", inductor_config.unsafe_marked_cacheable_functions) or {})
+    cacheable = dict(
+        patches.get("unsafe_marked_cacheable_functions", inductor_config.unsafe_marked_cacheable_functions) or {}
+    )
     cacheable[control_deps_name()] = torch.__version__
     if user is not None:
         uuid = f"{uuid}+{user.uuid() if hasattr(user, 'uuid') else repr(user)}"
-    return {"custom_partitioner_fn": _Partitioner(partition, uuid, base=user),
-            "unsafe_marked_cacheable_functions": cacheable}
+    return {
+        "custom_partitioner_fn": _Partitioner(partition, uuid, base=user),
+        "unsafe_marked_cacheable_functions": cacheable,
+    }
 
 
 def control_deps_name() -> str:

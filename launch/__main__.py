@@ -1,4 +1,5 @@
 """Entry point of ``python -m launch``; see launch.cli."""
+
 import sys
 
 from launch.cli import main

@@ -4,6 +4,7 @@ Bad input must be one line on stderr with exit code 2, before anything is schedu
 error path (usage + message) is replaced, and every value is checked on construction of ``LaunchConfig``
 so that programmatic callers get the same errors. Nothing here imports torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,26 +98,34 @@ class LaunchConfig:
         if self.rdzv_endpoint is not None:
             host, sep, port = self.rdzv_endpoint.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint!r}: expected HOST:PORT of the first node, "
-                                 "e.g. node0.example.com:29500")
-        if self.rdzv_id is not None and (self.rdzv_endpoint is None or not self.rdzv_id
-                                         or not all(c.isalnum() or c in "-_." for c in self.rdzv_id)):
-            raise UsageError(f"--rdzv-id {self.rdzv_id!r}: letters, digits, '-', '_' or '.', and only with "
-                             "--rdzv-endpoint")
+                raise UsageError(
+                    f"--rdzv-endpoint {self.rdzv_endpoint!r}: expected HOST:PORT of the first node, "
+                    "e.g. node0.example.com:29500"
+                )
+        if self.rdzv_id is not None and (
+            self.rdzv_endpoint is None or not self.rdzv_id or not all(c.isalnum() or c in "-_." for c in self.rdzv_id)
+        ):
+            raise UsageError(
+                f"--rdzv-id {self.rdzv_id!r}: letters, digits, '-', '_' or '.', and only with --rdzv-endpoint"
+            )
         self._check_hang()
 
     def _check_hang(self) -> None:
         if self.hang_timeout is None:
             if self.hang_first_step_timeout is not None:
-                raise UsageError(f"--hang-first-step-timeout {self.hang_first_step_timeout:g} needs --hang-timeout "
-                                 "SECONDS (hang detection is off without it)")
+                raise UsageError(
+                    f"--hang-first-step-timeout {self.hang_first_step_timeout:g} needs --hang-timeout "
+                    "SECONDS (hang detection is off without it)"
+                )
             return
         if not _finite_positive(self.hang_timeout):
             raise UsageError(f"--hang-timeout {self.hang_timeout:g}: expected a number of seconds > 0 (e.g. 300)")
         first = self.hang_first_step_timeout
         if first is not None and (not _finite_positive(first) or first < self.hang_timeout):
-            raise UsageError(f"--hang-first-step-timeout {first:g}: expected seconds >= --hang-timeout "
-                             f"({self.hang_timeout:g}); it is the grace for start-up, the first step and compiles")
+            raise UsageError(
+                f"--hang-first-step-timeout {first:g}: expected seconds >= --hang-timeout "
+                f"({self.hang_timeout:g}); it is the grace for start-up, the first step and compiles"
+            )
 
     @property
     def j(self) -> str:
@@ -158,38 +167,66 @@ def _build_parser() -> _Parser:
     )
     p.add_argument("--nnodes", default=None, help="nodes: N or MIN:MAX (elastic); default 1")
     p.add_argument("--nproc-per-node", default=None, help="ranks per node, or 'auto' (default): GPUs, else 2 on CPU")
-    p.add_argument("-j", dest="j", default=None,
-                   help="torchx style [MIN:]NNODESxNPROC, instead of --nnodes/--nproc-per-node")
-    p.add_argument("--dist-backend", default="auto",
-                   help="auto (nccl with GPUs, else gloo), gloo or nccl; the script reads it from "
-                        "DDP_COMPILE_DIST_BACKEND")
+    p.add_argument(
+        "-j", dest="j", default=None, help="torchx style [MIN:]NNODESxNPROC, instead of --nnodes/--nproc-per-node"
+    )
+    p.add_argument(
+        "--dist-backend",
+        default="auto",
+        help="auto (nccl with GPUs, else gloo), gloo or nccl; the script reads it from DDP_COMPILE_DIST_BACKEND",
+    )
     p.add_argument("--scheduler", "-s", default="local_cwd", help="torchx scheduler (default local_cwd)")
     p.add_argument("--scheduler-cfg", "--cfg", default="", help="scheduler options key=value,key=value")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the torchrun command and scheduler request; run nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the torchrun command and scheduler request; run nothing"
+    )
     p.add_argument("--log-dir", default=None, help="keep per-rank logs here")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra env for every rank (repeatable)")
+    p.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="extra env for every rank (repeatable)"
+    )
     p.add_argument("--max-retries", type=int, default=0, help="scheduler retries of the whole app")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="torchrun restarts the job up to K times after a rank fails or dies (resume from a checkpoint)")
-    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                   help="run only this host's node of an --nnodes N job whose rendezvous is at HOST:PORT "
-                        "(the same command on every host)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="torchrun restarts the job up to K times after a rank fails or dies (resume from a checkpoint)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="run only this host's node of an --nnodes N job whose rendezvous is at HOST:PORT "
+        "(the same command on every host)",
+    )
     p.add_argument("--rdzv-id", default=None, help="rendezvous id shared by the hosts (default from the endpoint)")
-    p.add_argument("--rdzv-port", type=int, default=None,
-                   help="rendezvous port for multi-node (default: a free port locally, 29500 remote)")
-    p.add_argument("--inductor-cache-dir", default=None,
-                   help="per-node Inductor cache, forced to mode 0700 (default: $TORCHINDUCTOR_CACHE_DIR locally, "
-                        "else ${TMPDIR:-/tmp}/ddp_compile_inductor_$UID)")
+    p.add_argument(
+        "--rdzv-port",
+        type=int,
+        default=None,
+        help="rendezvous port for multi-node (default: a free port locally, 29500 remote)",
+    )
+    p.add_argument(
+        "--inductor-cache-dir",
+        default=None,
+        help="per-node Inductor cache, forced to mode 0700 (default: $TORCHINDUCTOR_CACHE_DIR locally, "
+        "else ${TMPDIR:-/tmp}/ddp_compile_inductor_$UID)",
+    )
     p.add_argument("--torch-logs", default=None, help="TORCH_LOGS for every rank, e.g. graph_breaks,recompiles")
     p.add_argument("--trace-dir", default=None, help="TORCH_TRACE dir (tlparse) for every rank")
-    p.add_argument("--hang-timeout", default=None, metavar="SECONDS",
-                   help="stop the job (exit 3) and name the stuck rank with its stack when no rank has sent a "
-                        "heartbeat for this long (off by default; see docs/launch.md)")
-    p.add_argument("--hang-first-step-timeout", default=None, metavar="SECONDS",
-                   help="grace before a rank's second heartbeat and during compiles "
-                        "(default max(10 x hang timeout, 600))")
+    p.add_argument(
+        "--hang-timeout",
+        default=None,
+        metavar="SECONDS",
+        help="stop the job (exit 3) and name the stuck rank with its stack when no rank has sent a "
+        "heartbeat for this long (off by default; see docs/launch.md)",
+    )
+    p.add_argument(
+        "--hang-first-step-timeout",
+        default=None,
+        metavar="SECONDS",
+        help="grace before a rank's second heartbeat and during compiles (default max(10 x hang timeout, 600))",
+    )
     p.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name (python -m)")
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")

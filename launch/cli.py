@@ -18,6 +18,7 @@ This module is the thin entry point; it re-exports the pieces callers and tests 
 compile stack (compile_core, ddp, aot, inductor) and not even torch is imported: the launcher must start
 fast and must not depend on the code it launches.
 """
+
 from __future__ import annotations
 
 import sys
@@ -29,8 +30,21 @@ from launch.run import RUN_MARKER_ENV, build_app, reap, run
 from launch.watchdog import HANG_EXIT
 
 __all__ = [
-    "HANG_EXIT", "RUN_MARKER_ENV", "USAGE_EXIT", "LaunchConfig", "UsageError", "build_app", "find_exits",
-    "find_failures", "main", "order_failures", "parse_args", "reap", "report_failure", "run", "visible_gpus",
+    "HANG_EXIT",
+    "RUN_MARKER_ENV",
+    "USAGE_EXIT",
+    "LaunchConfig",
+    "UsageError",
+    "build_app",
+    "find_exits",
+    "find_failures",
+    "main",
+    "order_failures",
+    "parse_args",
+    "reap",
+    "report_failure",
+    "run",
+    "visible_gpus",
 ]
 
 

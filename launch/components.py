@@ -31,6 +31,7 @@ Everything else (``-j``, rendezvous, retries, resources, mounts) is delegated to
 ``torchx run launch/components.py:trainer``: it must stay self-contained (absolute imports only) and
 light (no torch import).
 """
+
 import os
 import shlex
 import sys
@@ -151,8 +152,14 @@ def trainer(
         gpu=gpu,
         memMB=memMB,
         j=j,
-        env=_job_env(env, backend=backend, torch_logs=torch_logs, trace_dir=trace_dir, heartbeat_dir=heartbeat_dir,
-                     restarts=max_restarts > 0),
+        env=_job_env(
+            env,
+            backend=backend,
+            torch_logs=torch_logs,
+            trace_dir=trace_dir,
+            heartbeat_dir=heartbeat_dir,
+            restarts=max_restarts > 0,
+        ),
         max_retries=max_retries,
         rdzv_port=rdzv_port,
         mounts=mounts,
@@ -162,8 +169,7 @@ def trainer(
     role.name = torchx_dist.get_role_name(script, m)  # the user's script, not launch.worker
     # dist.ddp's entrypoint is `bash -c "torchrun ..."`: run the cache prelude first, then exec torchrun
     # so that the scheduler's SIGTERM reaches torchrun (which forwards it to every rank).
-    command = _torchrun_options(role.args[1], max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint,
-                                rdzv_id=rdzv_id)
+    command = _torchrun_options(role.args[1], max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     if rdzv_endpoint is not None:
         role.num_replicas = role.min_replicas = 1  # nodes started one by one: this AppDef is one of them
     if hang_timeout is not None:
@@ -196,8 +202,7 @@ def _check_rdzv(max_restarts: object, rdzv_endpoint: Optional[str], rdzv_id: Opt
         raise ValueError(f"rdzv_id={rdzv_id!r}: use letters, digits, '-', '_' and '.'")
 
 
-def _torchrun_options(command: str, *, max_restarts: int, rdzv_endpoint: Optional[str],
-                      rdzv_id: Optional[str]) -> str:
+def _torchrun_options(command: str, *, max_restarts: int, rdzv_endpoint: Optional[str], rdzv_id: Optional[str]) -> str:
     """dist.ddp's torchrun command with our options: restarts, and an explicit rendezvous."""
     words = command.split(" ")  # dist.ddp joins plain words with spaces
     if words[0] != "torchrun":
@@ -225,13 +230,16 @@ def _seconds(name: str, value: object) -> Optional[float]:
     return seconds
 
 
-def _check_hang(hang_timeout: object, first_step: object,
-                heartbeat_dir: Optional[str]) -> "tuple[Optional[float], Optional[float]]":
+def _check_hang(
+    hang_timeout: object, first_step: object, heartbeat_dir: Optional[str]
+) -> "tuple[Optional[float], Optional[float]]":
     """The validated (hang_timeout, hang_first_step_timeout) as floats."""
     if hang_timeout is None:
         if first_step is not None or heartbeat_dir is not None:
-            raise ValueError("hang_first_step_timeout and heartbeat_dir need hang_timeout (hang detection is off "
-                             "without it); pass --hang_timeout SECONDS")
+            raise ValueError(
+                "hang_first_step_timeout and heartbeat_dir need hang_timeout (hang detection is off "
+                "without it); pass --hang_timeout SECONDS"
+            )
         return None, None
     timeout = _seconds("hang_timeout", hang_timeout)
     first = _seconds("hang_first_step_timeout", first_step)
@@ -298,14 +306,11 @@ def cache_prelude(cache_dir: Optional[str], per_node: bool = False) -> str:
         'echo "launch: error: Inductor cache dir $d is a symlink or not owned by $(id -un);'
         ' pass another inductor_cache_dir" >&2; exit 2'
     )
-    repair = (
-        'echo "launch: warning: Inductor cache dir $d was group/world-writable;'
-        ' emptied it and set mode 0700" >&2'
-    )
+    repair = 'echo "launch: warning: Inductor cache dir $d was group/world-writable; emptied it and set mode 0700" >&2'
     return (
-        f"d={d}; mkdir -p -m 700 -- \"$d\" || exit 2; "
-        f"if [ -L \"$d\" ] || [ ! -O \"$d\" ]; then {refuse}; fi; "
-        "if [ -n \"$(find \"$d\" -maxdepth 0 \\( -perm -0002 -o -perm -0020 \\) -print)\" ]; then "
-        f"chmod 700 -- \"$d\" && find \"$d\" -mindepth 1 -delete && {repair} || exit 2; fi; "
-        "chmod 700 -- \"$d\" && export TORCHINDUCTOR_CACHE_DIR=\"$d\""
+        f'd={d}; mkdir -p -m 700 -- "$d" || exit 2; '
+        f'if [ -L "$d" ] || [ ! -O "$d" ]; then {refuse}; fi; '
+        'if [ -n "$(find "$d" -maxdepth 0 \\( -perm -0002 -o -perm -0020 \\) -print)" ]; then '
+        f'chmod 700 -- "$d" && find "$d" -mindepth 1 -delete && {repair} || exit 2; fi; '
+        'chmod 700 -- "$d" && export TORCHINDUCTOR_CACHE_DIR="$d"'
     )

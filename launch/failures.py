@@ -22,6 +22,7 @@ and torchrun then sends SIGTERM to the rest. So, in this order:
 * otherwise the earliest event wins (exceptions carry exact times; plain exit codes count from the end of
   the second torchrun stamped).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -62,11 +63,18 @@ def find_failures(log_root: str) -> list[dict]:
                 continue
             if isinstance(msg, str):  # the error file's message is a dict or, for some writers, a string
                 msg = {"message": msg, "extraInfo": {}}
-            failures.append({
-                "rank": local_rank, "local_rank": local_rank, "host": "?", "time": os.path.getmtime(path),
-                "exception": msg.get("message", "?"), "kind": "exception",
-                "traceback": msg.get("extraInfo", {}).get("py_callstack", ""), "path": path,
-            })
+            failures.append(
+                {
+                    "rank": local_rank,
+                    "local_rank": local_rank,
+                    "host": "?",
+                    "time": os.path.getmtime(path),
+                    "exception": msg.get("message", "?"),
+                    "kind": "exception",
+                    "traceback": msg.get("extraInfo", {}).get("py_callstack", ""),
+                    "path": path,
+                }
+            )
     return sorted(failures, key=lambda f: f.get("time", 0.0))
 
 
@@ -74,16 +82,25 @@ def parse_torchrun_summary(text: str) -> list[dict]:
     """The failed ranks in torchrun's ChildFailedError summary(ies) within `text`."""
     out = []
     for m in _ENTRY_RE.finditer(text):
-        before = text[:m.start()]
+        before = text[: m.start()]
         root = before.rfind(_ROOT_HEADER) > before.rfind("Failures:")
         try:
             stamp = datetime.datetime.strptime(m["time"], "%Y-%m-%d_%H:%M:%S").timestamp()
         except ValueError:
             stamp = 0.0
         code = int(m["exitcode"])
-        out.append({"rank": int(m["rank"]), "local_rank": int(m["local_rank"]), "host": m["host"],
-                    "pid": int(m["pid"]), "exitcode": code, "time": stamp, "root": root,
-                    "kind": "signal" if code < 0 else "exit"})
+        out.append(
+            {
+                "rank": int(m["rank"]),
+                "local_rank": int(m["local_rank"]),
+                "host": m["host"],
+                "pid": int(m["pid"]),
+                "exitcode": code,
+                "time": stamp,
+                "root": root,
+                "kind": "signal" if code < 0 else "exit",
+            }
+        )
     return out
 
 
@@ -150,15 +167,21 @@ def report_failure(failures: list[dict], status_text: str, log_dir: Optional[str
         print(f"launch: job FAILED; no rank recorded a failure. {status_text}", file=err)
         return
     first = failures[0]
-    print(f"launch: job FAILED: rank {first['rank']} (local rank {first['local_rank']} on {first['host']}) "
-          f"{reason(first)}", file=err)
+    print(
+        f"launch: job FAILED: rank {first['rank']} (local rank {first['local_rank']} on {first['host']}) "
+        f"{reason(first)}",
+        file=err,
+    )
     if first.get("kind", "exception") == "exception":
         print(f"launch: rank {first['rank']} traceback:", file=err)
         for line in first.get("traceback", "").rstrip().splitlines():
             print(f"  [rank{first['rank']}] {line}", file=err)
     elif first["exitcode"] == -signal.SIGKILL:
-        print("launch: SIGKILL comes from outside the rank: the kernel's OOM killer (see `dmesg`), a scheduler "
-              "limit or a user", file=err)
+        print(
+            "launch: SIGKILL comes from outside the rank: the kernel's OOM killer (see `dmesg`), a scheduler "
+            "limit or a user",
+            file=err,
+        )
     for other in failures[1:]:
         print(f"launch: rank {other['rank']} also failed (later): {reason(other).removeprefix('raised ')}", file=err)
     if log_dir:

@@ -23,6 +23,7 @@ Note (protocol, read by ``launch.watchdog``):
 * A process forked from a rank (a data-loader worker) does not beat for the rank: the writer remembers its
   pid. This module imports nothing heavy (no torch): the library imports it on every compiled call path.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -135,19 +136,21 @@ def _open() -> Optional[_Writer]:
     rank = int(os.environ.get("RANK", "0"))
     path = record_path(directory, rank)
     now = time.time()
-    static = json.dumps({
-        "rank": rank,
-        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-        "group_rank": int(os.environ.get("GROUP_RANK", "0")),
-        "group_world_size": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "start": now,
-    }).encode()
+    static = json.dumps(
+        {
+            "rank": rank,
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "group_rank": int(os.environ.get("GROUP_RANK", "0")),
+            "group_world_size": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "start": now,
+        }
+    ).encode()
     content = bytearray(RECORD_SIZE)
     content[:8] = MAGIC
     _DYNAMIC.pack_into(content, 8, now, 0, _phase_bytes(START_PHASE))
-    content[_STATIC_OFFSET:_STATIC_OFFSET + len(static)] = static
+    content[_STATIC_OFFSET : _STATIC_OFFSET + len(static)] = static
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -173,9 +176,9 @@ def read_record(path: str) -> Optional[Record]:
             for _ in range(5):
                 f.seek(8)
                 again = f.read(_DYNAMIC.size)
-                if again == data[8:8 + _DYNAMIC.size]:
+                if again == data[8 : 8 + _DYNAMIC.size]:
                     break
-                data = data[:8] + again + data[8 + _DYNAMIC.size:]
+                data = data[:8] + again + data[8 + _DYNAMIC.size :]
     except OSError:
         return None
     if len(data) != RECORD_SIZE or data[:8] != MAGIC:
@@ -183,10 +186,18 @@ def read_record(path: str) -> Optional[Record]:
     last, beats, phase = _DYNAMIC.unpack_from(data, 8)
     try:
         static = json.loads(data[_STATIC_OFFSET:].rstrip(b"\0"))
-        return Record(rank=int(static["rank"]), local_rank=int(static["local_rank"]), host=str(static["host"]),
-                      pid=int(static["pid"]), start=float(static["start"]), last=last, beats=beats,
-                      phase=phase.rstrip(b"\0").decode("ascii", "replace"), node=int(static.get("group_rank", 0)),
-                      nodes=int(static.get("group_world_size", 1)))
+        return Record(
+            rank=int(static["rank"]),
+            local_rank=int(static["local_rank"]),
+            host=str(static["host"]),
+            pid=int(static["pid"]),
+            start=float(static["start"]),
+            last=last,
+            beats=beats,
+            phase=phase.rstrip(b"\0").decode("ascii", "replace"),
+            node=int(static.get("group_rank", 0)),
+            nodes=int(static.get("group_world_size", 1)),
+        )
     except (ValueError, KeyError, TypeError):
         return None
 

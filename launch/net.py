@@ -1,4 +1,5 @@
 """Small network helpers shared by the launcher, the tests and the benchmarks (torch-free)."""
+
 from __future__ import annotations
 
 import socket

@@ -28,6 +28,7 @@ Nothing here imports torch.
 
 Debugging: the JSON files under `<log dir>/<app>/<role>/<node>/.../attempt_<N>/<local rank>/`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,11 @@ from typing import Optional
 RESUME_FILE = "launch_resume.json"
 # torchrun (glog format): "E1124 10:24:56.779000 11541 .../multiprocessing/api.py:1002] failed (exitcode: -9)
 # local_rank: 0 (pid: 11553) of binary: ..."
-_FAILED_RE = re.compile(r"^E(?P<md>\d{4}) (?P<hms>\d\d:\d\d:\d\d\.\d+) .*\] failed \(exitcode: (?P<code>-?\d+)\) "
-                        r"local_rank: (?P<local_rank>\d+) \(pid: (?P<pid>\d+)\)", re.MULTILINE)
+_FAILED_RE = re.compile(
+    r"^E(?P<md>\d{4}) (?P<hms>\d\d:\d\d:\d\d\.\d+) .*\] failed \(exitcode: (?P<code>-?\d+)\) "
+    r"local_rank: (?P<local_rank>\d+) \(pid: (?P<pid>\d+)\)",
+    re.MULTILINE,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +72,14 @@ def record_resumed(step: int, where: str = "") -> None:
         return
     from launch.worker import per_pid
 
-    info = {"step": int(step), "where": where, "rank": int(os.environ.get("RANK", "-1")), "pid": os.getpid(),
-            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "time": time.time()}
+    info = {
+        "step": int(step),
+        "where": where,
+        "rank": int(os.environ.get("RANK", "-1")),
+        "pid": os.getpid(),
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "time": time.time(),
+    }
     try:
         os.makedirs(os.path.dirname(error_file), exist_ok=True)
         with open(os.path.join(os.path.dirname(error_file), per_pid(RESUME_FILE, os.getpid())), "w") as f:
@@ -112,8 +122,16 @@ def _torchrun_failures(log_root: str, year: int) -> list[dict]:
             except ValueError:
                 stamp = 0.0
             code = int(m["code"])
-            out.append({"pid": int(m["pid"]), "local_rank": int(m["local_rank"]), "exitcode": code, "time": stamp,
-                        "kind": "signal" if code < 0 else "exit", "root": False})
+            out.append(
+                {
+                    "pid": int(m["pid"]),
+                    "local_rank": int(m["local_rank"]),
+                    "exitcode": code,
+                    "time": stamp,
+                    "kind": "signal" if code < 0 else "exit",
+                    "root": False,
+                }
+            )
     return out
 
 
@@ -161,8 +179,13 @@ def report_restarts(restarts: list[Restart], max_restarts: int) -> None:
             who = "a rank failed (no record of which)"
         else:
             node = f"node {r.node}, " if r.node is not None else ""
-            who = (f"rank {r.cause['rank']} (local rank {r.cause['local_rank']} on {node}host "
-                   f"{r.cause.get('host', '?')}) {reason(r.cause)}")
-        step = (f"resumed from step {r.resumed_step}" if r.resumed_step is not None
-                else "the script reported no resume step (launch.restarts.record_resumed)")
+            who = (
+                f"rank {r.cause['rank']} (local rank {r.cause['local_rank']} on {node}host "
+                f"{r.cause.get('host', '?')}) {reason(r.cause)}"
+            )
+        step = (
+            f"resumed from step {r.resumed_step}"
+            if r.resumed_step is not None
+            else "the script reported no resume step (launch.restarts.record_resumed)"
+        )
         print(f"launch: restart {r.number} of {max_restarts}: {who}; {step}", file=sys.stderr)

@@ -4,6 +4,7 @@ report a failure or a hang, and stop every process on a signal.
 Exit codes of ``run``: 0 success, 1 a rank failed, ``HANG_EXIT`` (3) the watchdog stopped a hung job,
 128 + N stopped by signal N (Ctrl-C: 130, SIGTERM: 143). Nothing here imports torch.
 """
+
 from __future__ import annotations
 
 import glob
@@ -73,7 +74,8 @@ def build_app(cfg: LaunchConfig, run_id: str, hb_dir: Optional[str] = None):
         node_cache_dirs=cfg.node_cache_dirs,
         rdzv_endpoint=cfg.rdzv_endpoint,
         rdzv_id=(cfg.rdzv_id or "ddp_compile_" + "".join(c if c.isalnum() else "_" for c in cfg.rdzv_endpoint))
-        if cfg.rdzv_endpoint else None,
+        if cfg.rdzv_endpoint
+        else None,
     )
 
 
@@ -128,7 +130,7 @@ def reap(run_id: str) -> int:
 
 def _local_log_root(status) -> Optional[str]:
     url = getattr(status, "ui_url", None) or ""
-    return url[len("file://"):] if url.startswith("file://") else None
+    return url[len("file://") :] if url.startswith("file://") else None
 
 
 def run(cfg: LaunchConfig) -> int:
@@ -174,8 +176,12 @@ def _run_and_watch(runner, app, cfg: LaunchConfig, run_cfg: dict, run_id: str, h
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _raise_stop)
         hang_note = f", hang timeout {cfg.hang_timeout:g} s" if cfg.hang_timeout else ""
-        print(f"launch: {handle} ({role.num_replicas} node(s) x {cfg.nproc_per_node} ranks, {cfg.dist_backend}"
-              f"{hang_note})", file=sys.stderr, flush=True)
+        print(
+            f"launch: {handle} ({role.num_replicas} node(s) x {cfg.nproc_per_node} ranks, {cfg.dist_backend}"
+            f"{hang_note})",
+            file=sys.stderr,
+            flush=True,
+        )
         for k in range(role.num_replicas):
             prefix = f"node{k} " if role.num_replicas > 1 else ""
             t = threading.Thread(target=_tail, args=(runner, handle, role.name, k, prefix, out_lock), daemon=True)

@@ -28,6 +28,7 @@ Note (the rules, also in docs/launch.md):
   all ranks), one node on remote schedulers (a node-local directory: each node judges its own ranks, so
   on a multi-node hang every node reports its own oldest rank; the earliest report names the culprit).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,10 @@ class HangPolicy:
         if self.first_step_timeout is None:
             object.__setattr__(self, "first_step_timeout", default_first_step_timeout(self.hang_timeout))
         elif not _positive(self.first_step_timeout) or self.first_step_timeout < self.hang_timeout:
-            raise ValueError(f"first-step timeout {self.first_step_timeout!r}: expected seconds >= the hang timeout "
-                             f"({self.hang_timeout:g}); it covers start-up and compiles")
+            raise ValueError(
+                f"first-step timeout {self.first_step_timeout!r}: expected seconds >= the hang timeout "
+                f"({self.hang_timeout:g}); it covers start-up and compiles"
+            )
 
     def limit(self, rec: Record) -> float:
         """The timeout that applies to `rec` right now (see the module Note)."""
@@ -103,12 +106,20 @@ class Hang:
             return f"launch: job HUNG: no rank started within {self.idle:.1f} s -- stopping the job"
         last = "none since the rank started" if r.beats == 0 else r.phase
         node = f"node {r.node}, " if r.nodes > 1 else ""
-        return (f"launch: job HUNG: rank {r.rank} ({node}host {r.host}, pid {r.pid}) made no progress for "
-                f"{self.idle:.1f} s (last heartbeat: {last}) -- stopping the job")
+        return (
+            f"launch: job HUNG: rank {r.rank} ({node}host {r.host}, pid {r.pid}) made no progress for "
+            f"{self.idle:.1f} s (last heartbeat: {last}) -- stopping the job"
+        )
 
 
-def find_hang(records: Sequence[Record], now: float, policy: HangPolicy, *, watch_start: float,
-              alive: Callable[[int], bool] = lambda pid: True) -> Optional[Hang]:
+def find_hang(
+    records: Sequence[Record],
+    now: float,
+    policy: HangPolicy,
+    *,
+    watch_start: float,
+    alive: Callable[[int], bool] = lambda pid: True,
+) -> Optional[Hang]:
     """The verdict for these records at time `now`, or None while the job still progresses."""
     if not records:
         idle = now - watch_start
@@ -162,8 +173,13 @@ def dump_stacks(directory: str, records: Sequence[Record], want: int, wait: floa
 
 def write_verdict(directory: str, hang: Hang, stack: str) -> None:
     r = hang.stuck
-    verdict = {"summary": hang.summary(), "idle": hang.idle, "stack": stack, "time": time.time(),
-               "stuck": dataclasses.asdict(r) if r is not None else None}
+    verdict = {
+        "summary": hang.summary(),
+        "idle": hang.idle,
+        "stack": stack,
+        "time": time.time(),
+        "stuck": dataclasses.asdict(r) if r is not None else None,
+    }
     tmp = os.path.join(directory, f".{VERDICT_FILE}.{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(verdict, f)
@@ -180,7 +196,7 @@ def read_verdict(directory: str) -> Optional[dict]:
 
 
 # Frames every rank has below the user's code (our trampoline, runpy, torchelastic's @record): noise.
-_TRAMPOLINE_FRAMES = ('File "<frozen runpy>"', "/launch/worker.py\"", "/elastic/multiprocessing/errors/__init__.py\"")
+_TRAMPOLINE_FRAMES = ('File "<frozen runpy>"', '/launch/worker.py"', '/elastic/multiprocessing/errors/__init__.py"')
 
 
 def format_stack(rank: Optional[int], stack: str) -> list[str]:
@@ -190,7 +206,8 @@ def format_stack(rank: Optional[int], stack: str) -> list[str]:
         return ["launch: (no stack: the rank did not register a stack dump; run it under launch.worker)"]
     tag = f"  [rank{rank}] "
     return [f"launch: rank {rank} stack at that moment (faulthandler, most recent call first):"] + [
-        tag + line for line in lines]
+        tag + line for line in lines
+    ]
 
 
 class _Supervisor:
@@ -203,8 +220,9 @@ class _Supervisor:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         # Own session: a scheduler's killpg reaches only us, and we forward it once. torchrun treats a second
         # SIGTERM during its shutdown as a new error, which can cut its cleanup of the ranks short.
-        self.child = subprocess.Popen(list(cmd), env={**os.environ, HEARTBEAT_DIR_ENV: self.dir},
-                                      start_new_session=True)
+        self.child = subprocess.Popen(
+            list(cmd), env={**os.environ, HEARTBEAT_DIR_ENV: self.dir}, start_new_session=True
+        )
         self.stopping = False  # set once a stop was forwarded: ranks going quiet then is not a hang
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._forward)
@@ -252,8 +270,11 @@ class _Supervisor:
             print("\n".join([hang.summary(), *format_stack(rank, stack)]), file=sys.stderr, flush=True)
             write_verdict(self.dir, hang, stack)
         else:
-            print("launch: job HUNG (reported by another node's watchdog) -- stopping this node", file=sys.stderr,
-                  flush=True)
+            print(
+                "launch: job HUNG (reported by another node's watchdog) -- stopping this node",
+                file=sys.stderr,
+                flush=True,
+            )
         self._stop_child(records)
         return HANG_EXIT
 
@@ -273,8 +294,10 @@ class _Supervisor:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.watchdog",
-                                description="Run torchrun (or any command) and stop it when its ranks stop beating.")
+    p = argparse.ArgumentParser(
+        prog="python -m launch.watchdog",
+        description="Run torchrun (or any command) and stop it when its ranks stop beating.",
+    )
     p.add_argument("--hang-timeout", type=float, required=True)
     p.add_argument("--first-step-timeout", type=float, default=None)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ARGS... (normally torchrun ...)")

@@ -18,6 +18,7 @@ Two more records, for what a rank cannot say once it is dead or stuck:
 The script sees the same ``sys.argv``, ``sys.path[0]`` and ``__name__ == "__main__"`` as under
 ``python script.py`` / ``python -m module``. This module imports nothing of the compile stack.
 """
+
 from __future__ import annotations
 
 import faulthandler

@@ -9,6 +9,7 @@ The whole test session carries one marker too, `SESSION_ENV` (set in tests/conft
 xdist worker starts, so every process the suite starts inherits it): at the end of the session, any
 process still carrying it is a leak (see `pytest_sessionfinish` in tests/conftest.py).
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -6,6 +6,7 @@ Every rank's return value comes back to the test as CPU tensors; a failure names
 a hang fails after `timeout` seconds. Whatever happens, every rank is killed together with anything it
 started: each rank leads a process group of its own, and the whole group is killed at the end.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -71,8 +72,9 @@ def wrap_ddp(module: torch.nn.Module, **ddp_kwargs: Any) -> DDP:
     return DDP(module, **ddp_kwargs)
 
 
-def _worker(rank: int, world_size: int, backend: str, port: int, pg_timeout: float, fn: Callable, args: tuple,
-            queue) -> None:
+def _worker(
+    rank: int, world_size: int, backend: str, port: int, pg_timeout: float, fn: Callable, args: tuple, queue
+) -> None:
     # A process group of our own: the parent kills it whole (this rank and whatever it started).
     os.setpgid(0, 0)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -83,7 +85,10 @@ def _worker(rank: int, world_size: int, backend: str, port: int, pg_timeout: flo
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world_size, *args)
@@ -113,7 +118,11 @@ def _kill_rank(proc) -> None:
 
 
 def run_ranks(
-    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 240.0, pg_timeout: float | None = None,
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout: float = 240.0,
+    pg_timeout: float | None = None,
     backend: str | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return results ordered by rank, every

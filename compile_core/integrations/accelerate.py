@@ -13,6 +13,7 @@ pieces, and it stays the object accelerate's helpers take (`accumulate`, `no_syn
 same model behind `compile_core`'s API: callable, with `report()`. Pass `model`, not the returned
 object, to accelerate's helpers: they inspect nn.Module internals that `CompiledModel` does not have.
 """
+
 from __future__ import annotations
 
 from typing import Any

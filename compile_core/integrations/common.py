@@ -2,6 +2,7 @@
 
 Imports no framework: `compile_core.integrations.lightning` and `.accelerate` import their own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,7 @@ def missing_extra(extra: str, err: ImportError) -> ImportError:
     """The ImportError to raise when a framework's own import fails: names the extra that installs it."""
     return ImportError(
         f"compile_core.integrations.{extra} needs the [{extra}] extra, which is not installed or does not "
-        f"import ({err}); install it with: pip install -e \".[{extra}]\""
+        f'import ({err}); install it with: pip install -e ".[{extra}]"'
     )
 
 
@@ -77,5 +78,6 @@ class FirstStepLog:
             # Our backend never ran: the most common reason is a second compiler around ours.
             self.logger.warning(
                 "compile_core: the first training step compiled nothing under %s; if the model was also "
-                "wrapped in torch.compile, pass the uncompiled model (the strategy compiles it)", self.where,
+                "wrapped in torch.compile, pass the uncompiled model (the strategy compiles it)",
+                self.where,
             )

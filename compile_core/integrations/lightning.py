@@ -20,6 +20,7 @@ Fabric: DDP wraps the module itself; `model(x)` runs its compiled forward.
 The report: `strategy.compile_report()`; it is also logged (INFO, logger
 `compile_core.integrations.lightning`, rank 0) once, when the first optimizer step is done.
 """
+
 from __future__ import annotations
 
 import logging

@@ -28,6 +28,7 @@ knows what a graph, a rank or a bucket is: the caller names itself (`me`) and wh
 
 Debugging: `ls <cache dir>/ddp_compile/claims/`; each `*.state` is one JSON line.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -95,8 +96,13 @@ class Holder:
     @classmethod
     def from_record(cls, who: str, data: dict[str, Any]) -> Holder:
         """From a state record (`state_record`); KeyError/ValueError/TypeError when it is not one."""
-        return cls(who=who, pid=int(data["pid"]), host=str(data["host"]), kind=ClaimState(data["state"]),
-                   error=str(data.get("error", "")))
+        return cls(
+            who=who,
+            pid=int(data["pid"]),
+            host=str(data["host"]),
+            kind=ClaimState(data["state"]),
+            error=str(data.get("error", "")),
+        )
 
 
 def state_record(kind: ClaimState, error: str = "") -> dict[str, Any]:
@@ -174,7 +180,9 @@ class CompileClaims:
         self._write_state(key, ClaimState.COMPILING)
         return Claim(self, key, fd, previous)
 
-    def wait_claim(self, key: str, *, on_wait: Callable[[Holder | None], None] = lambda h: None) -> tuple[Claim | None, Wait]:
+    def wait_claim(
+        self, key: str, *, on_wait: Callable[[Holder | None], None] = lambda h: None
+    ) -> tuple[Claim | None, Wait]:
         """Wait (at most `timeout_s`) for the holder of `key`; None when the wait timed out."""
         wait = Wait()
         claim = self.try_claim(key)
@@ -213,8 +221,16 @@ class CompileClaims:
         path = self._path(key, "state")
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"who": self.me, "pid": os.getpid(), "host": socket.gethostname(), **state_record(kind, error),
-                       "time": time.time()}, f)
+            json.dump(
+                {
+                    "who": self.me,
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    **state_record(kind, error),
+                    "time": time.time(),
+                },
+                f,
+            )
         os.replace(tmp, path)
 
     def _path(self, key: str, suffix: str) -> str:

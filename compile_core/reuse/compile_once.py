@@ -47,6 +47,7 @@ A piece compiled with a fallback backend is reused with that fallback.
 Debugging: `report().to_dict()["piece_compiles"]`; `TORCH_LOGS=+torch._functorch._aot_autograd.autograd_cache`
 prints AOTAutograd's cache decisions; `ls $TORCHINDUCTOR_CACHE_DIR/ddp_compile/claims/`.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,11 +62,11 @@ import torch.distributed as dist
 
 from aot.structure import structural_key
 from aot.torch_dynamo_cache import AotCache
+from compile_core.reuse.claims import CompileClaims, Holder, WaitEnd
 from compile_core.reuse.piece_records import Compiled, Job, PieceRecord, Wait
+from compile_core.reuse.store_claims import StoreClaims
 from ddp import torch_ddp
 from ddp.agreement import env_seconds
-from compile_core.reuse.claims import CompileClaims, Holder, WaitEnd
-from compile_core.reuse.store_claims import StoreClaims
 from inductor.torch_inductor import cache_dir
 from launch.heartbeat import beat
 
@@ -148,23 +149,45 @@ class CompileOnce:
                 continue
             source, compiled = self._done[key]
             results[i] = compiled
-            self._record(PieceRecord(name=jobs[i].name, key=key, cache="reused", seconds=0.0,
-                                     backend=compiled.backend, reused_from=source, source="reused"))
+            self._record(
+                PieceRecord(
+                    name=jobs[i].name,
+                    key=key,
+                    cache="reused",
+                    seconds=0.0,
+                    backend=compiled.backend,
+                    reused_from=source,
+                    source="reused",
+                )
+            )
         order = {job.name: i for i, job in enumerate(jobs)}
         with self.lock:  # the report lists this batch's pieces in forward order, whatever the compile order
             self.records[first_record:] = sorted(self.records[first_record:], key=lambda r: order.get(r.name, -1))
         if len(jobs) > 1:
             compiled_here = len(todo)
             hits = sum(1 for i in todo if results[i].cache.aot is AotCache.HIT)
-            say("%s: %d pieces, %d compiled or loaded (%d aot cache hits), %d reused; %.2f s",
-                jobs[0].name.rsplit(".", 1)[0], len(jobs), compiled_here, hits, len(jobs) - compiled_here,
-                time.perf_counter() - start)
+            say(
+                "%s: %d pieces, %d compiled or loaded (%d aot cache hits), %d reused; %.2f s",
+                jobs[0].name.rsplit(".", 1)[0],
+                len(jobs),
+                compiled_here,
+                hits,
+                len(jobs) - compiled_here,
+                time.perf_counter() - start,
+            )
         return results  # type: ignore[return-value]
 
     # -- one compile -------------------------------------------------------------------------------
 
-    def _compile(self, job: Job, key: str | None, compile_fn: Callable[[Job], Compiled], *,
-                 wait: Wait | None = None, local: bool = False) -> Compiled:
+    def _compile(
+        self,
+        job: Job,
+        key: str | None,
+        compile_fn: Callable[[Job], Compiled],
+        *,
+        wait: Wait | None = None,
+        local: bool = False,
+    ) -> Compiled:
         """Compile one job; `wait`: how waiting for another rank's claim ended; `local`: this node
         compiled it before (Note [Compile once], step 3)."""
         beat("compile")  # a launcher watching for hangs gives compiles their long grace
@@ -176,8 +199,14 @@ class CompileOnce:
         self._pair_sizes(key, compiled)
         if key is not None:
             self._done.setdefault(key, (job.name, compiled))
-        record = PieceRecord(name=job.name, key=key, cache=compiled.cache.describe(), seconds=seconds,
-                             backend=compiled.backend, aot_cache=compiled.cache.aot)
+        record = PieceRecord(
+            name=job.name,
+            key=key,
+            cache=compiled.cache.describe(),
+            seconds=seconds,
+            backend=compiled.backend,
+            aot_cache=compiled.cache.aot,
+        )
         hit = compiled.cache.aot is AotCache.HIT
         if wait is not None:
             record.waited_for = wait.holder.describe() if wait.holder is not None else "another process"
@@ -185,9 +214,13 @@ class CompileOnce:
             if wait.end is WaitEnd.DONE and hit:
                 record.source = f"from {wait.holder.who}" if wait.holder is not None else "from another process"
             elif wait.end is WaitEnd.DONE:
-                log.warning("compile_core: rank %d: %s's compile of %s is not a cache hit here (its cache key "
-                            "differs: a rank-specific value such as the device index); compiled it here",
-                            _rank()[0], record.waited_for, job.name)
+                log.warning(
+                    "compile_core: rank %d: %s's compile of %s is not a cache hit here (its cache key "
+                    "differs: a rank-specific value such as the device index); compiled it here",
+                    _rank()[0],
+                    record.waited_for,
+                    job.name,
+                )
         if record.source == "compiled here" and hit:
             record.source = "from the local cache"
         if key is not None and self.use_claims and compiled.backend == "inductor":
@@ -201,8 +234,13 @@ class CompileOnce:
         say("%s", record.line())
 
     def _compile_claimed(
-        self, jobs: Sequence[Job], keys: list, todo: list[int], results: list,
-        compile_fn: Callable[[Job], Compiled], claims: CompileClaims | StoreClaims,
+        self,
+        jobs: Sequence[Job],
+        keys: list,
+        todo: list[int],
+        results: list,
+        compile_fn: Callable[[Job], Compiled],
+        claims: CompileClaims | StoreClaims,
     ) -> None:
         rank, _ = _rank()
         offset = rank_offset(len(todo))
@@ -226,22 +264,34 @@ class CompileOnce:
 
             def waiting(holder: Holder | None, job: Job = job) -> None:
                 who = holder.describe() if holder is not None else "another process"
-                log.info("compile_core: rank %d waiting for %s compiling %s (up to %.0f s, %s)",
-                         rank, who, job.name, claims.timeout_s, CLAIM_TIMEOUT_ENV)
+                log.info(
+                    "compile_core: rank %d waiting for %s compiling %s (up to %.0f s, %s)",
+                    rank,
+                    who,
+                    job.name,
+                    claims.timeout_s,
+                    CLAIM_TIMEOUT_ENV,
+                )
 
             claim, raw = claims.wait_claim(keys[i], on_wait=waiting)
             wait = Wait.of(raw)
             if wait.end is not WaitEnd.DONE:
-                log.warning("compile_core: rank %d: %s %s %s after %.1f s; compiling it here", rank,
-                            wait.holder.describe() if wait.holder else "the holder", wait.outcome, job.name,
-                            wait.seconds)
+                log.warning(
+                    "compile_core: rank %d: %s %s %s after %.1f s; compiling it here",
+                    rank,
+                    wait.holder.describe() if wait.holder else "the holder",
+                    wait.outcome,
+                    job.name,
+                    wait.seconds,
+                )
             if claim is None:
                 results[i] = self._compile(job, keys[i], compile_fn, wait=wait)
             else:
                 results[i] = self._compile_holding(claim, job, keys[i], compile_fn, wait=wait)
 
-    def _compile_holding(self, claim: Any, job: Job, key: str, compile_fn: Callable[[Job], Compiled], *,
-                         wait: Wait | None = None) -> Compiled:
+    def _compile_holding(
+        self, claim: Any, job: Job, key: str, compile_fn: Callable[[Job], Compiled], *, wait: Wait | None = None
+    ) -> Compiled:
         try:
             with claim.capturing():
                 compiled = self._compile(job, key, compile_fn, wait=wait)
@@ -283,8 +333,13 @@ class CompileOnce:
         if self._claims is None:
             rank, world = _rank()
             if dist.is_available() and dist.is_initialized() and world > 1:
-                self._claims = StoreClaims(torch_ddp.default_store(), rank=rank, directory=cache_dir(),
-                                           timeout_s=claim_timeout_s(), dead_after_s=leader_dead_s())
+                self._claims = StoreClaims(
+                    torch_ddp.default_store(),
+                    rank=rank,
+                    directory=cache_dir(),
+                    timeout_s=claim_timeout_s(),
+                    dead_after_s=leader_dead_s(),
+                )
             else:
                 directory = os.path.join(cache_dir(), "ddp_compile", "claims")
                 self._claims = CompileClaims(directory, me=f"rank {rank}", timeout_s=claim_timeout_s())

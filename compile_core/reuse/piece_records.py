@@ -1,5 +1,6 @@
 """What compiling one piece produced and how it went: the records compile_core/reuse/compile_once.py keeps
 (Note [Compile once]) and `report()["piece_compiles"]` shows."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,12 +53,23 @@ class PieceRecord:
     """AOTAutogradCache's outcome, the kind behind `cache` (which is for people); unused when reused."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "key": self.key, "cache": self.cache, "aot_cache": self.aot_cache.value,
-               "seconds": round(self.seconds, 4),
-               "backend": self.backend, "reused_from": self.reused_from, "source": self.source}
+        out = {
+            "name": self.name,
+            "key": self.key,
+            "cache": self.cache,
+            "aot_cache": self.aot_cache.value,
+            "seconds": round(self.seconds, 4),
+            "backend": self.backend,
+            "reused_from": self.reused_from,
+            "source": self.source,
+        }
         if self.waited_for is not None or self.leader is not None:
-            out.update(waited_s=round(self.waited_s, 3), waited_for=self.waited_for, leader=self.leader,
-                       received_bytes=self.received_bytes)
+            out.update(
+                waited_s=round(self.waited_s, 3),
+                waited_for=self.waited_for,
+                leader=self.leader,
+                received_bytes=self.received_bytes,
+            )
         return out
 
     def line(self) -> str:
@@ -86,8 +98,14 @@ class Wait:
 
     @classmethod
     def of(cls, wait: Any) -> Wait:
-        return cls(holder=wait.holder, end=wait.end, outcome=wait.outcome, seconds=wait.seconds,
-                   received_bytes=getattr(wait, "installed_bytes", 0), meta=getattr(wait, "meta", {}))
+        return cls(
+            holder=wait.holder,
+            end=wait.end,
+            outcome=wait.outcome,
+            seconds=wait.seconds,
+            received_bytes=getattr(wait, "installed_bytes", 0),
+            meta=getattr(wait, "meta", {}),
+        )
 
 
 @dataclasses.dataclass

@@ -27,6 +27,7 @@ or a process group is: the caller passes the store, its rank and its cache dir.
 
 Debugging: the store keys above; a waiter logs whom it waits for, and `Wait` records how it ended.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from inductor import artifacts
 from compile_core.reuse.claims import ClaimState, Holder, WaitEnd, state_record, wait_text
+from inductor import artifacts
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,17 @@ class StoreClaim:
 class StoreClaims:
     """Claims on keys shared by every rank of a job through `store` (see the Note)."""
 
-    def __init__(self, store: Any, *, rank: int, directory: str, timeout_s: float, dead_after_s: float,
-                 poll_s: float = 0.05, prefix: str = "ddp_compile/compile") -> None:
+    def __init__(
+        self,
+        store: Any,
+        *,
+        rank: int,
+        directory: str,
+        timeout_s: float,
+        dead_after_s: float,
+        poll_s: float = 0.05,
+        prefix: str = "ddp_compile/compile",
+    ) -> None:
         for name, value in (("timeout_s", timeout_s), ("dead_after_s", dead_after_s), ("poll_s", poll_s)):
             if not value > 0:
                 raise ValueError(f"{name}={value!r}: expected seconds > 0")
@@ -169,8 +179,9 @@ class StoreClaims:
         got = self._decode(self.store.compare_set(self._k(key, "claim"), "", str(self.rank)))
         return self._take(key, None) if got == self.rank else None
 
-    def wait_claim(self, key: str, *, on_wait: Callable[[Holder | None], None] = lambda h: None
-                   ) -> tuple[StoreClaim | None, StoreWait]:
+    def wait_claim(
+        self, key: str, *, on_wait: Callable[[Holder | None], None] = lambda h: None
+    ) -> tuple[StoreClaim | None, StoreWait]:
         """Wait for the leader of `key` (at most `timeout_s`): None and outcome `done` once its compile
         is installed here; a claim when the leader failed or died and this rank took over; None and
         `timed out` after the timeout."""
@@ -206,8 +217,9 @@ class StoreClaims:
             if got == self.rank:
                 wait.end, wait.error = end, error
                 return self._take(key, wait.holder), wait
-            log.info("compile_core: rank %d: rank %d took over %s from rank %d; waiting for it",
-                     self.rank, got, key, leader)
+            log.info(
+                "compile_core: rank %d: rank %d took over %s from rank %d; waiting for it", self.rank, got, key, leader
+            )
             leader, announced = got, False
 
     def holder(self, key: str, leader: int) -> Holder | None:
@@ -249,16 +261,23 @@ class StoreClaims:
             time.sleep(self.poll_s)
 
     def _set_state(self, key: str, kind: ClaimState, error: str = "", **extra: Any) -> None:
-        value = {**state_record(kind, error), "pid": os.getpid(), "host": socket.gethostname(),
-                 "cache_dir": self.directory, "time": time.time(), **extra}
+        value = {
+            **state_record(kind, error),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "cache_dir": self.directory,
+            "time": time.time(),
+            **extra,
+        }
         self.store.set(self._k(key, f"state/{self.rank}"), json.dumps(value))
 
     def _publish(self, key: str, blob: bytes) -> None:
-        chunks = [blob[i:i + CHUNK] for i in range(0, len(blob), CHUNK)] or [b""]
+        chunks = [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)] or [b""]
         for i, chunk in enumerate(chunks):
             self.store.set(self._k(key, f"blob/{self.rank}/{i}"), chunk)
-        self._set_state(key, ClaimState.DONE, chunks=len(chunks), bytes=len(blob),
-                        sha256=hashlib.sha256(blob).hexdigest())
+        self._set_state(
+            key, ClaimState.DONE, chunks=len(chunks), bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest()
+        )
 
     def _fetch_and_install(self, key: str, leader: int) -> tuple[int, dict]:
         data = json.loads(self.store.get(self._k(key, f"state/{leader}")))
@@ -266,8 +285,10 @@ class StoreClaims:
             return 0, {}  # the leader wrote into this very cache dir
         blob = b"".join(self.store.get(self._k(key, f"blob/{leader}/{i}")) for i in range(int(data["chunks"])))
         if hashlib.sha256(blob).hexdigest() != data["sha256"]:
-            raise ValueError(f"rank {self.rank}: the compile rank {leader} shipped for {key} arrived damaged "
-                             f"({len(blob)} bytes, expected {data['bytes']}); its sha256 differs")
+            raise ValueError(
+                f"rank {self.rank}: the compile rank {leader} shipped for {key} arrived damaged "
+                f"({len(blob)} bytes, expected {data['bytes']}); its sha256 differs"
+            )
         unpacked = artifacts.unpack(blob)
         artifacts.install(unpacked, self.directory)
         return len(blob), unpacked.meta

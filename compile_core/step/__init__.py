@@ -1,13 +1,14 @@
 """`compile_core.train_step`: one compiled training step per micro-batch (see `train.py`'s Note).
 
 * `train.py` -- `train_step`, `TrainStep`: forward + loss, backward, accumulation, the update;
-* `config.py`, `report.py` -- its configuration and report;
+* `config.py`, `report.py`, `checks.py` -- its configuration, report and input checks;
 * `update.py` -- the optimizer update after the backward compiled whole, and its capture check;
 * `chunked_update.py` -- the same update compiled once per repeated block (SGD, Adam, AdamW);
 * `optim_math.py` -- SGD/Adam/AdamW math per parameter, with host-computed scalars;
 * `in_backward.py` -- the update inside the compiled backward (`optimizer_in_backward=True`);
 * `hyperparams.py` -- lr/betas as tensors while a whole `optimizer.step()` runs compiled.
 """
+
 from compile_core.step.config import TrainStepConfig
 from compile_core.step.report import OptimizerReport, TrainStepReport
 from compile_core.step.train import TrainStep, train_step

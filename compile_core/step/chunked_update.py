@@ -29,6 +29,7 @@ The optimizer state tensors are the optimizer's own, updated in place, so `optim
 is what an eager run gives. Optimizers with step hooks, other optimizer classes, differentiable or
 sparse groups keep `CompiledUpdate`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,10 +38,11 @@ import time
 from typing import Any, Callable
 
 import torch
+
 from aot.torch_dynamo import DynamoError, lookup_backend, watch_caches
-from compile_core.step import optim_math
-from compile_core.reuse.compile_once import CompileOnce, Compiled, Job, rank_offset, say
 from compile_core.events import CompileEvents
+from compile_core.reuse.compile_once import Compiled, CompileOnce, Job, rank_offset, say
+from compile_core.step import optim_math
 from ddp.bucketing import ParamInfo
 from ddp.bucketing.repeats import repeated_units
 
@@ -59,9 +61,15 @@ class ChunkedUpdate:
     """The optimizer update per block (see Note [Optimizer update per block]); `compiled(update_index)`."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, names: dict[int, str], backend: str | Callable[..., Any],
-        events: CompileEvents, *, clip_max_norm: float | None = None,
-        eager_step: Callable[[], Any] | None = None, claims: bool = False,
+        self,
+        optimizer: torch.optim.Optimizer,
+        names: dict[int, str],
+        backend: str | Callable[..., Any],
+        events: CompileEvents,
+        *,
+        clip_max_norm: float | None = None,
+        eager_step: Callable[[], Any] | None = None,
+        claims: bool = False,
     ) -> None:
         self.optimizer = optimizer
         self._eager_step = eager_step or optimizer.step
@@ -166,8 +174,9 @@ class ChunkedUpdate:
             chunk.signature = self._signature(chunk)
         key = (chunk.group, chunk.signature)
         if key not in self._fns:
-            self._fns[key] = self.events.compile(_UPDATES[type(self.optimizer)], self._recording(chunk.name),
-                                                 isolate_recompiles=True)
+            self._fns[key] = self.events.compile(
+                _UPDATES[type(self.optimizer)], self._recording(chunk.name), isolate_recompiles=True
+            )
         return self._fns[key]
 
     def _prepare(self) -> None:
@@ -183,8 +192,14 @@ class ChunkedUpdate:
             chunk.signature = self._signature(chunk)
             key = (chunk.group, chunk.signature)
             if key in first:
-                self.records.append({"name": f"update.{chunk.name}", "cache": "reused", "seconds": 0.0,
-                                     "reused_from": f"update.{first[key]}"})
+                self.records.append(
+                    {
+                        "name": f"update.{chunk.name}",
+                        "cache": "reused",
+                        "seconds": 0.0,
+                        "reused_from": f"update.{first[key]}",
+                    }
+                )
                 continue
             first[key] = chunk.name
             distinct.append(chunk)
@@ -192,29 +207,43 @@ class ChunkedUpdate:
         offset = rank_offset(len(distinct))
         for chunk in distinct[offset:] + distinct[:offset]:
             key = (chunk.group, chunk.signature)
-            fn = self.events.compile(_UPDATES[type(self.optimizer)], self._recording(chunk.name),
-                                     isolate_recompiles=True)
+            fn = self.events.compile(
+                _UPDATES[type(self.optimizer)], self._recording(chunk.name), isolate_recompiles=True
+            )
             self._fns[key] = fn
             # Copies as Parameters: Dynamo's guards check the tensor type too.
             params = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in chunk.params]
             for p, real in zip(params, chunk.params):
                 p.grad = real.grad.detach().clone()
-            states = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                       for k, v in self.optimizer.state[real].items()} for real in chunk.params]
+            states = [
+                {
+                    k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in self.optimizer.state[real].items()
+                }
+                for real in chunk.params
+            ]
             with torch.no_grad():
                 self._run(chunk, fn, params=params, states=states)
         if self.clip_max_norm is not None:
             params, max_norm = self._params, self.clip_max_norm
-            self._clip = self.events.compile(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm),
-                                             self._recording("clip"), isolate_recompiles=True)
+            self._clip = self.events.compile(
+                lambda: torch.nn.utils.clip_grad_norm_(params, max_norm),
+                self._recording("clip"),
+                isolate_recompiles=True,
+            )
             saved = [p.grad.detach().clone() if p.grad is not None else None for p in params]
             self._clip()  # compiles; scales the gradients, which are restored below
             for p, g in zip(params, saved):
                 if g is not None:
                     p.grad.copy_(g)
         reused = sum(1 for r in self.records if r["reused_from"] is not None)
-        say("optimizer update: %d chunk(s), %d compiled, %d reused; %.2f s",
-            len(self._chunks), len(self._chunks) - reused, reused, time.perf_counter() - start)
+        say(
+            "optimizer update: %d chunk(s), %d compiled, %d reused; %.2f s",
+            len(self._chunks),
+            len(self._chunks) - reused,
+            reused,
+            time.perf_counter() - start,
+        )
 
     def _signature(self, chunk: _Chunk) -> tuple:
         def meta(t: Any) -> Any:
@@ -244,8 +273,12 @@ class ChunkedUpdate:
                 return compiled.fn
             start = time.perf_counter()
             compiled = compile_it(job)
-            record = {"name": job.name, "cache": compiled.cache.describe(), "seconds": time.perf_counter() - start,
-                      "reused_from": None}
+            record = {
+                "name": job.name,
+                "cache": compiled.cache.describe(),
+                "seconds": time.perf_counter() - start,
+                "reused_from": None,
+            }
             self.records.append(record)
             say("%s compiled (%s) %.2f s", job.name, record["cache"], record["seconds"])
             return compiled.fn
@@ -254,8 +287,14 @@ class ChunkedUpdate:
 
     # -- every update ------------------------------------------------------------------------------
 
-    def _run(self, chunk: _Chunk, fn: Callable[..., Any] | None, *, params: list | None = None,
-             states: list[dict] | None = None) -> None:
+    def _run(
+        self,
+        chunk: _Chunk,
+        fn: Callable[..., Any] | None,
+        *,
+        params: list | None = None,
+        states: list[dict] | None = None,
+    ) -> None:
         params = chunk.params if params is None else params
         if states is None:
             states = [self.optimizer.state[p] for p in params]
@@ -272,8 +311,12 @@ def _plan_chunks(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
     chunks: list[_Chunk] = []
     for index, group in enumerate(optimizer.param_groups):
         params = [p for p in group["params"] if p.requires_grad]
-        infos = [ParamInfo(name=names.get(id(p), f"param{i}"), nbytes=p.numel() * p.element_size(),
-                           key=f"{p.dtype}/{p.device}") for i, p in enumerate(params)]
+        infos = [
+            ParamInfo(
+                name=names.get(id(p), f"param{i}"), nbytes=p.numel() * p.element_size(), key=f"{p.dtype}/{p.device}"
+            )
+            for i, p in enumerate(params)
+        ]
         units = repeated_units(infos)
         by_unit: dict[str, list] = {}
         for p, info in zip(params, infos):
@@ -290,16 +333,29 @@ def _arguments(optimizer: torch.optim.Optimizer, group_index: int, params: Any, 
     grads = [p.grad for p in params]
     if isinstance(optimizer, torch.optim.SGD):
         buffers = [s.get("momentum_buffer") if group["momentum"] != 0 else None for s in states]
-        flags = {"weight_decay": group["weight_decay"] != 0, "nesterov": group["nesterov"],
-                 "maximize": group["maximize"]}
+        flags = {
+            "weight_decay": group["weight_decay"] != 0,
+            "nesterov": group["nesterov"],
+            "maximize": group["maximize"],
+        }
         return params, grads, buffers, optim_math.scalars(optimizer, group, [0.0] * len(params)), flags
     amsgrad = bool(group.get("amsgrad"))
     steps = [float(s["step"]) + 1 for s in states]  # the step this update reaches (eager reads it after += 1)
-    flags = {"decoupled": optim_math.decoupled(optimizer, group), "weight_decay": group["weight_decay"] != 0,
-             "maximize": group["maximize"]}
-    return (params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if amsgrad else [None] * len(params), [s["step"] for s in states],
-            optim_math.scalars(optimizer, group, steps), flags)
+    flags = {
+        "decoupled": optim_math.decoupled(optimizer, group),
+        "weight_decay": group["weight_decay"] != 0,
+        "maximize": group["maximize"],
+    }
+    return (
+        params,
+        grads,
+        [s["exp_avg"] for s in states],
+        [s["exp_avg_sq"] for s in states],
+        [s["max_exp_avg_sq"] for s in states] if amsgrad else [None] * len(params),
+        [s["step"] for s in states],
+        optim_math.scalars(optimizer, group, steps),
+        flags,
+    )
 
 
 def _sgd_chunk(params: list, grads: list, buffers: list, scalars: torch.Tensor, flags: dict) -> None:
@@ -307,11 +363,20 @@ def _sgd_chunk(params: list, grads: list, buffers: list, scalars: torch.Tensor, 
         optim_math.sgd_math(p, grads[i], buffers[i], scalars[i], **flags)
 
 
-def _adam_chunk(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, max_exp_avg_sqs: list,
-                steps: list, scalars: torch.Tensor, flags: dict) -> None:
+def _adam_chunk(
+    params: list,
+    grads: list,
+    exp_avgs: list,
+    exp_avg_sqs: list,
+    max_exp_avg_sqs: list,
+    steps: list,
+    scalars: torch.Tensor,
+    flags: dict,
+) -> None:
     for i, p in enumerate(params):
-        optim_math.adam_math(p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], scalars[i],
-                             **flags)
+        optim_math.adam_math(
+            p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], scalars[i], **flags
+        )
 
 
 _UPDATES = {torch.optim.SGD: _sgd_chunk, torch.optim.Adam: _adam_chunk, torch.optim.AdamW: _adam_chunk}

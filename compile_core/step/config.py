@@ -1,4 +1,5 @@
 """`TrainStepConfig`: how `compile_core.train_step` captures a step; validated on construction."""
+
 from __future__ import annotations
 
 import dataclasses

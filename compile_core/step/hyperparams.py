@@ -10,6 +10,7 @@ So a user who calls `optimizer.step()` directly, reads `scheduler.get_last_lr()`
 plain PyTorch gives. The update inside the backward reads the same tensors (`tensor()`), filled by
 `sync()` before each step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -102,8 +103,10 @@ class HyperparamPins:
             yield
             return
         self.sync()
-        self._saved = [self._swap(group, {**pins.owned, **pins.flags})
-                       for group, pins in zip(self._optimizer.param_groups, self._groups)]
+        self._saved = [
+            self._swap(group, {**pins.owned, **pins.flags})
+            for group, pins in zip(self._optimizer.param_groups, self._groups)
+        ]
         try:
             yield
         finally:

@@ -36,6 +36,7 @@ normal path, with the reason.
 Debugging: `TrainStep.report()` has an `optimizer_in_backward` entry (active, reason, from which
 update); `TORCH_LOGS=output_code` shows the update kernels between the backward's kernels.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -97,11 +98,14 @@ class OptimizerInBackward:
     def refresh(self) -> None:
         """This update's scalars for every parameter that has an update (before its forward)."""
         for index, group in enumerate(self.optimizer.param_groups):
-            ready = [p for p in group["params"] if (index, p.dtype, p.device) in self._templates and self._ready(p, group)]
+            ready = [
+                p for p in group["params"] if (index, p.dtype, p.device) in self._templates and self._ready(p, group)
+            ]
             if not ready:
                 continue
-            steps = [float(self.optimizer.state[p]["step"]) + 1 if optim_math.is_adam(self.optimizer) else 0.0
-                     for p in ready]
+            steps = [
+                float(self.optimizer.state[p]["step"]) + 1 if optim_math.is_adam(self.optimizer) else 0.0 for p in ready
+            ]
             rows = optim_math.scalars(self.optimizer, group, steps).to(ready[0].device)
             for p, row in zip(ready, rows):
                 self._rows[id(p)] = row
@@ -169,25 +173,46 @@ def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:
 def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
     if isinstance(optimizer, torch.optim.SGD):
         return ("momentum_buffer",)
-    return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq", "step")
+    return (
+        ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
+        if group.get("amsgrad")
+        else ("exp_avg", "exp_avg_sq", "step")
+    )
 
 
 def _update_function(optimizer: torch.optim.Optimizer, group: dict, state_keys: tuple[str, ...]) -> Callable[..., None]:
     """`update(param, grad, *states, scalars)`: one parameter's update (compile_core/step/optim_math.py)."""
     flags = dict(_flags(optimizer, group))
     if isinstance(optimizer, torch.optim.SGD):
+
         def update_sgd(param: torch.Tensor, grad: torch.Tensor, *rest: torch.Tensor) -> None:
             buf = rest[0] if flags["momentum"] else None
-            optim_math.sgd_math(param, grad, buf, rest[-1], weight_decay=flags["weight_decay"],
-                                nesterov=flags["nesterov"], maximize=flags["maximize"])
+            optim_math.sgd_math(
+                param,
+                grad,
+                buf,
+                rest[-1],
+                weight_decay=flags["weight_decay"],
+                nesterov=flags["nesterov"],
+                maximize=flags["maximize"],
+            )
 
         return update_sgd
 
     def update_adam(param: torch.Tensor, grad: torch.Tensor, *rest: torch.Tensor) -> None:
         states = dict(zip(state_keys, rest[:-1]))
-        optim_math.adam_math(param, grad, states["exp_avg"], states["exp_avg_sq"], states.get("max_exp_avg_sq"),
-                             states["step"], rest[-1], decoupled=flags["decoupled"],
-                             weight_decay=flags["weight_decay"], maximize=flags["maximize"])
+        optim_math.adam_math(
+            param,
+            grad,
+            states["exp_avg"],
+            states["exp_avg_sq"],
+            states.get("max_exp_avg_sq"),
+            states["step"],
+            rest[-1],
+            decoupled=flags["decoupled"],
+            weight_decay=flags["weight_decay"],
+            maximize=flags["maximize"],
+        )
 
     return update_adam
 
@@ -195,8 +220,9 @@ def _update_function(optimizer: torch.optim.Optimizer, group: dict, state_keys: 
 class InBackwardController:
     """When `train_step` updates inside the backward, and why not when it does not (see the Note)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, *,
-                 clip_max_norm: float | None, blocker: str | None = None) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, reducer: Any, *, clip_max_norm: float | None, blocker: str | None = None
+    ) -> None:
         self.reducer = reducer
         self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm)
         self.reason: str | None = blocker or support(optimizer)
@@ -238,13 +264,17 @@ class InBackwardController:
         if not reducer.reduction.in_graph:
             return f"the compiled backward does not reduce: {reducer.reduction.reason}"
         if reducer.graphs_last_step != 1:
-            return (f"the model ran as {reducer.graphs_last_step} compiled graph(s); updates inside the backward "
-                    "need the model in one graph")
+            return (
+                f"the model ran as {reducer.graphs_last_step} compiled graph(s); updates inside the backward "
+                "need the model in one graph"
+            )
         after = sorted(set(reducer.last_leftovers))
         if self.updates.clip_max_norm is not None and (after or reducer.ignored):
             kept = after or sorted(reducer.ignored)
-            return (f"clipping needs the global norm of every gradient inside the backward, but {kept[:5]} "
-                    "are reduced after it (or not reduced: ignored by DDP)")
+            return (
+                f"clipping needs the global norm of every gradient inside the backward, but {kept[:5]} "
+                "are reduced after it (or not reduced: ignored by DDP)"
+            )
         return None
 
     def applied(self) -> bool:
@@ -269,7 +299,8 @@ class InBackwardController:
             "updates_in_backward": self.updates_in_backward,
             "grads_kept_last_backward": self.reducer.grads_kept,
             "not_updated_in_backward": list(self.reducer.not_updated),
-            "clip": None if self.updates.clip_max_norm is None else
-            "global norm of all reduced gradients, after the last all-reduce, inside the backward",
+            "clip": None
+            if self.updates.clip_max_norm is None
+            else "global norm of all reduced gradients, after the last all-reduce, inside the backward",
             "reason": self.reason,
         }

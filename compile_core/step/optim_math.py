@@ -21,14 +21,22 @@ Notes: results agree with eager torch to rounding (the fused kernel evaluates th
 eager's foreach and fused variants compute the same formulas). Complex parameters are not covered
 (`covers()` says so: they keep torch's own `optimizer.step()`).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 
-ADAM_SCALARS = ("weight_decay_or_decay", "one_minus_beta1", "beta2", "one_minus_beta2", "bias_correction2_sqrt",
-                "neg_step_size", "eps")
+ADAM_SCALARS = (
+    "weight_decay_or_decay",
+    "one_minus_beta1",
+    "beta2",
+    "one_minus_beta2",
+    "bias_correction2_sqrt",
+    "neg_step_size",
+    "eps",
+)
 """The layout of an Adam/AdamW scalar vector."""
 SGD_SCALARS = ("weight_decay", "momentum", "one_minus_dampening", "neg_lr")
 """The layout of an SGD scalar vector."""
@@ -53,8 +61,7 @@ def scalars(optimizer: torch.optim.Optimizer, group: dict, steps: Sequence[float
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         first = (1 - lr * wd) if decoupled(optimizer, group) else wd
-        rows = [[first, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** s) ** 0.5, -(lr / (1 - beta1 ** s)), eps]
-                for s in steps]
+        rows = [[first, 1 - beta1, beta2, 1 - beta2, (1 - beta2**s) ** 0.5, -(lr / (1 - beta1**s)), eps] for s in steps]
     else:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         momentum, dampening = float(group["momentum"]), float(group["dampening"])
@@ -62,9 +69,19 @@ def scalars(optimizer: torch.optim.Optimizer, group: dict, steps: Sequence[float
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def adam_math(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-              max_exp_avg_sq: torch.Tensor | None, step: torch.Tensor, s: torch.Tensor, *,
-              decoupled: bool, weight_decay: bool, maximize: bool) -> None:
+def adam_math(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    max_exp_avg_sq: torch.Tensor | None,
+    step: torch.Tensor,
+    s: torch.Tensor,
+    *,
+    decoupled: bool,
+    weight_decay: bool,
+    maximize: bool,
+) -> None:
     """One Adam/AdamW update in place (`s`: a row laid out as `ADAM_SCALARS`)."""
     if maximize:
         grad = -grad
@@ -84,8 +101,16 @@ def adam_math(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     param.add_(exp_avg / denom * s[5])
 
 
-def sgd_math(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, s: torch.Tensor, *,
-             weight_decay: bool, nesterov: bool, maximize: bool) -> None:
+def sgd_math(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    buf: torch.Tensor | None,
+    s: torch.Tensor,
+    *,
+    weight_decay: bool,
+    nesterov: bool,
+    maximize: bool,
+) -> None:
     """One SGD update in place (`s`: a row laid out as `SGD_SCALARS`); `buf` None: no momentum."""
     if maximize:
         grad = -grad

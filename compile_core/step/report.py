@@ -1,4 +1,5 @@
 """What `TrainStep.report()` returns: the model's compile report plus the optimizer part."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,7 +62,9 @@ class TrainStepReport:
     """Calls so far."""
     updates: int
     """Optimizer updates applied so far."""
-    optimizer_in_backward: dict[str, Any] = dataclasses.field(default_factory=lambda: {"requested": False, "active": False})
+    optimizer_in_backward: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"requested": False, "active": False}
+    )
     """requested, active, from_update, updates_in_backward, clip (how), reason (why not)."""
 
     def _model_dict(self) -> dict[str, Any]:
@@ -105,17 +108,25 @@ class TrainStepReport:
         status = "compiled" if opt["compiled"] else f"EAGER (fallback: {opt['fallback_error']})"
         rows = [
             ("part", "compile s", "graphs", "recompiles"),
-            ("model", f"{d['parts']['model']['compile_seconds']:.2f}",
-             str(sum(int(g.get("pieces", 1)) for g in d.get("graphs", []))),
-             str(len(d["parts"]["model"]["recompiles"]))),
+            (
+                "model",
+                f"{d['parts']['model']['compile_seconds']:.2f}",
+                str(sum(int(g.get("pieces", 1)) for g in d.get("graphs", []))),
+                str(len(d["parts"]["model"]["recompiles"])),
+            ),
             ("optimizer", f"{opt['compile_seconds']:.2f}", str(opt["graphs"]), str(len(opt["recompiles"]))),
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [f"train_step: backend={self.backend} accum_steps={self.accum_steps} "
-                 f"micro_batches={self.micro_batches} updates={self.updates}"]
+        lines = [
+            f"train_step: backend={self.backend} accum_steps={self.accum_steps} "
+            f"micro_batches={self.micro_batches} updates={self.updates}"
+        ]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-        how = "per block" if opt["per_block"] else "whole step" + (
-            f" ({opt['whole_step_reason']})" if opt["whole_step_reason"] else "")
+        how = (
+            "per block"
+            if opt["per_block"]
+            else "whole step" + (f" ({opt['whole_step_reason']})" if opt["whole_step_reason"] else "")
+        )
         lines.append(f"  optimizer {opt['optimizer']}: {status}, {how}")
         for r in opt["graph_compiles"]:
             if r["reused_from"] is None:
@@ -126,8 +137,10 @@ class TrainStepReport:
         iob = self.optimizer_in_backward
         if iob.get("requested"):
             if iob.get("active"):
-                lines.append(f"  optimizer in backward: active from update {iob['from_update']}"
-                             + (f"; clipping: {iob['clip']}" if iob.get("clip") else ""))
+                lines.append(
+                    f"  optimizer in backward: active from update {iob['from_update']}"
+                    + (f"; clipping: {iob['clip']}" if iob.get("clip") else "")
+                )
             else:
                 lines.append(f"  optimizer in backward: not active ({iob.get('reason') or 'from update 2'})")
         for b in opt["graph_breaks"]:

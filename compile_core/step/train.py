@@ -45,6 +45,7 @@ Note (design):
 
     Where things live: compile_core/step/__init__.py lists the package's files.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,11 +58,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import DynamoError, cause_chain
 from compile_core.events import CompileEvents
+from compile_core.step.checks import check_inputs, check_loss, split_args
+from compile_core.step.chunked_update import ChunkedUpdate
+from compile_core.step.config import TrainStepConfig
 from compile_core.step.hyperparams import HyperparamPins
 from compile_core.step.in_backward import InBackwardController
-from compile_core.step.config import TrainStepConfig
 from compile_core.step.report import OptimizerReport, TrainStepReport
-from compile_core.step.chunked_update import ChunkedUpdate
 from compile_core.step.update import CompiledUpdate, chunking_blocker, clip_and_step
 from inductor.torch_inductor import disk_caches_enabled
 from launch.heartbeat import beat
@@ -83,7 +85,7 @@ class TrainStep:
         lr_scheduler: Any = None,
         grad_scaler: Any = None,
     ) -> None:
-        _check_inputs(model, optimizer, loss_fn, lr_scheduler, grad_scaler, config)
+        check_inputs(model, optimizer, loss_fn, lr_scheduler, grad_scaler, config)
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -100,8 +102,10 @@ class TrainStep:
         self._opt_events = CompileEvents(breaks_from="counters", name="optimizer update")
         self._opt_fallback: str | None = None  # why the update runs eagerly, once it does
         if grad_scaler is not None:
-            self._opt_fallback = ("a GradScaler skips updates whose gradients hold inf/nan, which needs a host "
-                                  "check per update: grad_scaler.step(optimizer) runs eagerly")
+            self._opt_fallback = (
+                "a GradScaler skips updates whose gradients hold inf/nan, which needs a host "
+                "check per update: grad_scaler.step(optimizer) runs eagerly"
+            )
         self._pins = HyperparamPins(optimizer)
         self._update: CompiledUpdate | ChunkedUpdate | None = None
         self._update_blocker: str | None = None  # why the update is not compiled per block
@@ -114,7 +118,9 @@ class TrainStep:
         self._in_backward: InBackwardController | None = None
         if config.optimizer_in_backward:
             self._in_backward = InBackwardController(
-                optimizer, self.compiled_model.in_graph, clip_max_norm=config.clip_grad_norm,
+                optimizer,
+                self.compiled_model.in_graph,
+                clip_max_norm=config.clip_grad_norm,
                 blocker=None if grad_scaler is None else "a GradScaler must see every gradient before any update",
             )
             if self._in_backward.reason is not None:
@@ -123,7 +129,7 @@ class TrainStep:
     # -- the step -------------------------------------------------------------------------------
     def __call__(self, *args: Any, target: Any = None) -> torch.Tensor:
         """`step(*inputs, target)` or `step(*inputs, target=target)`: one micro-batch."""
-        inputs, target = _split_args(args, target)
+        inputs, target = split_args(args, target)
         beat()  # progress, for a launcher watching for hangs (launch/heartbeat.py)
         sync = self.pending_micro_batches == self.config.accum_steps - 1
         if sync and self._in_backward is not None:
@@ -141,7 +147,7 @@ class TrainStep:
         with skip_sync:
             with self._autocast():
                 loss = self.loss_fn(self.compiled_model(*inputs), target)
-            _check_loss(loss)
+            check_loss(loss)
             scaled = loss / self.config.accum_steps if self.config.accum_steps > 1 else loss
             if self.grad_scaler is not None:
                 scaled = self.grad_scaler.scale(scaled)
@@ -177,7 +183,10 @@ class TrainStep:
         self._updates = index
         logger.debug(  # every step: DEBUG, so that INFO stays for compile progress
             "train_step: update %d applied after %d micro-batch(es) (optimizer %s, %s)",
-            index, self.config.accum_steps, type(self.optimizer).__name__, self._update_mode(),
+            index,
+            self.config.accum_steps,
+            type(self.optimizer).__name__,
+            self._update_mode(),
         )
 
     def _update_mode(self) -> str:
@@ -228,9 +237,14 @@ class TrainStep:
             blocker = "reuse_pieces=False"
         if blocker is None:
             names = {id(p): n for n, p in self.model.named_parameters()}
-            return ChunkedUpdate(self.optimizer, names, self.config.backend, self._opt_events,
-                                 clip_max_norm=self.config.clip_grad_norm,
-                                 claims=self.config.backend == "inductor" and disk_caches_enabled())
+            return ChunkedUpdate(
+                self.optimizer,
+                names,
+                self.config.backend,
+                self._opt_events,
+                clip_max_norm=self.config.clip_grad_norm,
+                claims=self.config.backend == "inductor" and disk_caches_enabled(),
+            )
         self._update_blocker = blocker
         self._pins.install()  # optimizer.step() compiled whole reads lr/betas from the groups
         return CompiledUpdate(self._update_fn(), self.config.backend, self._opt_events)
@@ -253,8 +267,10 @@ class TrainStep:
     # -- introspection ----------------------------------------------------------------------------
     def report(self) -> TrainStepReport:
         model_report = self.compiled_model.report() if hasattr(self.compiled_model, "report") else None
-        backend = self.config.backend if isinstance(self.config.backend, str) else getattr(
-            self.config.backend, "__name__", repr(self.config.backend)
+        backend = (
+            self.config.backend
+            if isinstance(self.config.backend, str)
+            else getattr(self.config.backend, "__name__", repr(self.config.backend))
         )
         events = self._opt_events
         with events.lock:
@@ -273,8 +289,11 @@ class TrainStep:
         return TrainStepReport(
             model=model_report,
             optimizer=optimizer,
-            optimizer_in_backward=(self._in_backward.to_dict(True) if self._in_backward is not None
-                                   else {"requested": False, "active": False}),
+            optimizer_in_backward=(
+                self._in_backward.to_dict(True)
+                if self._in_backward is not None
+                else {"requested": False, "active": False}
+            ),
             backend=backend,
             accum_steps=self.config.accum_steps,
             micro_batches=self._micro_batches,
@@ -332,43 +351,6 @@ def train_step(
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _check_inputs(model: Any, optimizer: Any, loss_fn: Any, lr_scheduler: Any, grad_scaler: Any,
-                  config: TrainStepConfig) -> None:
-    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-        raise TypeError(f"grad_scaler={type(grad_scaler).__name__}: expected a torch.amp.GradScaler")
-    if config.autocast is torch.float16 and grad_scaler is None:
-        raise ValueError(
-            "autocast=torch.float16 needs loss scaling (fp16 gradients underflow without it): pass "
-            "grad_scaler=torch.amp.GradScaler(device_type), or use autocast=torch.bfloat16"
-        )
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model={type(model).__name__}: expected an nn.Module (e.g. your DDP-wrapped model)")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer={type(optimizer).__name__}: expected a torch.optim.Optimizer, "
-            "e.g. torch.optim.AdamW(model.parameters())"
-        )
-    if not callable(loss_fn):
-        raise TypeError(
-            f"loss_fn={loss_fn!r} is not callable: pass a function (output, target) -> scalar loss, "
-            "e.g. torch.nn.functional.cross_entropy"
-        )
-    model_params = {id(p) for p in model.parameters()}
-    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in model_params]
-    if foreign:
-        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
-        raise ValueError(
-            f"optimizer holds {len(foreign)} tensor(s) that are not parameters of the model "
-            f"(shapes {shapes}{', ...' if len(foreign) > 3 else ''}): build the optimizer from "
-            "model.parameters() of the same model passed to train_step"
-        )
-    if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is not optimizer:
-        raise ValueError(
-            f"lr_scheduler={type(lr_scheduler).__name__} does not drive this optimizer: "
-            "create it from the optimizer passed to train_step"
-        )
-
-
 def _compile_model(model: nn.Module, config: TrainStepConfig) -> Any:
     # Imported here, not at module import: compile_core/__init__ imports this module.
     from compile_core.api import compile as compile_model
@@ -382,19 +364,6 @@ def _device_type(model: nn.Module) -> str:
     return "cpu"
 
 
-def _split_args(args: tuple[Any, ...], target: Any) -> tuple[tuple[Any, ...], Any]:
-    if target is not None:
-        if not args:
-            raise TypeError("step(*inputs, target): no inputs given")
-        return args, target
-    if len(args) < 2:
-        raise TypeError(
-            f"step(*inputs, target): got {len(args)} positional argument(s); pass the model inputs "
-            "followed by the target, e.g. step(x, y) or step(x, target=y)"
-        )
-    return args[:-1], args[-1]
-
-
 def _describe(err: BaseException) -> str:
     """`Type: first line`, plus the root cause (Dynamo wraps backend errors in BackendCompilerFailed)."""
     root = cause_chain(err)[-1]
@@ -404,12 +373,3 @@ def _describe(err: BaseException) -> str:
         return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}".rstrip()
 
     return one(err) if root is err else f"{one(err)} caused by {one(root)}"
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(
-            f"loss_fn returned {shape}: expected a scalar tensor; reduce it (e.g. .mean()) "
-            "or use a loss with reduction='mean'"
-        )

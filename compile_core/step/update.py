@@ -10,15 +10,17 @@ hands a graph to the backend). Compiles, recompiles and their reasons go to a `C
 
 `ChunkedUpdate` (compile_core/step/chunked_update.py) stands in for it for SGD, Adam and AdamW.
 """
+
 from __future__ import annotations
 
 import time
 from typing import Any, Callable
 
 import torch
+
 from aot.torch_dynamo import lookup_backend, optimizer_step_hooks, watch_caches
-from compile_core.reuse.compile_once import say
 from compile_core.events import CompileEvents
+from compile_core.reuse.compile_once import say
 from compile_core.step.in_backward import support
 
 
@@ -37,8 +39,12 @@ class CompiledUpdate:
             start = time.perf_counter()
             with watch_caches() as cache:
                 compiled = inner(gm, example_inputs)
-            record = {"name": f"update.graph_{len(self.records)}", "cache": cache.describe(),
-                      "seconds": time.perf_counter() - start, "reused_from": None}
+            record = {
+                "name": f"update.graph_{len(self.records)}",
+                "cache": cache.describe(),
+                "seconds": time.perf_counter() - start,
+                "reused_from": None,
+            }
             self.records.append(record)
             say("%s compiled (%s) %.2f s", record["name"], record["cache"], record["seconds"])
             if self._calls == 0:

@@ -1,4 +1,5 @@
 """Pure bucket planning: FX graph + parameter sizes in, `BucketPlan` out (see planner.py's Note)."""
+
 from ddp.bucketing.caps import DEFAULT_FIRST_BUCKET_BYTES, MiB, caps_from_mb, check_cap_mb, resolve_caps
 from ddp.bucketing.planner import Bucket, BucketPlan, ParamInfo, plan_buckets
 

@@ -5,6 +5,7 @@ DDP cuts gradient buckets at `bucket_cap_mb` (25 MiB by default) and keeps a sma
 early. Any cap > 0 is accepted here (DDP's own DDPOptimizer asserts below 1 MiB); the first cap
 defaults to 1 MiB clamped to the bucket cap, and may never exceed it.
 """
+
 from __future__ import annotations
 
 import numbers

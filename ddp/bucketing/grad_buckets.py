@@ -22,6 +22,7 @@ issued (after which backward op) is decided later, on the real backward graph
 
 Debugging: `str(plan)` lists buckets with parameter names and bytes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,8 +79,10 @@ class GradBucketPlan:
         return frozenset(i for b in self.buckets for i in b.input_indices)
 
     def __str__(self) -> str:
-        lines = [f"GradBucketPlan: {len(self.buckets)} bucket(s), cap {self.bucket_cap_bytes / MiB:.3g} MiB, "
-                 f"first {self.first_bucket_cap_bytes / MiB:.3g} MiB"]
+        lines = [
+            f"GradBucketPlan: {len(self.buckets)} bucket(s), cap {self.bucket_cap_bytes / MiB:.3g} MiB, "
+            f"first {self.first_bucket_cap_bytes / MiB:.3g} MiB"
+        ]
         lines += [f"  bucket {b.index}: {b.nbytes / MiB:8.3f} MiB {b.key} {', '.join(b.params)}" for b in self.buckets]
         return "\n".join(lines)
 

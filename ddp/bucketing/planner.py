@@ -29,6 +29,7 @@ pieces; `ddp.alignment` makes DDP's reducer use the same buckets.
 
 Debugging: `str(plan)` prints one line per bucket (piece, parameter names, bytes).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -168,8 +169,10 @@ def plan_buckets(
     output_node = next(n for n in graph.nodes if n.op == "output")
 
     def feeds_outside(group_nodes: set, node: fx.Node) -> bool:
-        return any(u is output_node or (u in position and u not in group_nodes and position[u] > position[node])
-                   for u in node.users)
+        return any(
+            u is output_node or (u in position and u not in group_nodes and position[u] > position[node])
+            for u in node.users
+        )
 
     # With repeated blocks: the bytes of non-block parameters between each step of the walk and the
     # next block, and whether a block follows. A small stretch of them (a final norm before the head)
@@ -251,8 +254,9 @@ def plan_buckets(
         for i, g in enumerate(groups)
     )
     containers = sorted({u.rsplit(".", 1)[0] if "." in u else "" for u in units.values()})
-    return BucketPlan(buckets=buckets, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap,
-                      aligned_to=tuple(containers))
+    return BucketPlan(
+        buckets=buckets, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap, aligned_to=tuple(containers)
+    )
 
 
 def _new_group() -> dict:

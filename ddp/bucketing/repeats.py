@@ -30,6 +30,7 @@ for it to complete could swallow the whole graph. Nothing here looks at the grap
 Debugging: `repeated_units(names)` on the parameter table shows the units; the plan's
 `aligned_to` names the container.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Mapping
@@ -55,11 +56,11 @@ def repeated_units(params: Iterable[ParamInfo]) -> dict[str, str]:
             members.setdefault(found, []).append(info)
     by_container: dict[str, dict[tuple, list[str]]] = {}
     for (container, unit), infos in members.items():
-        signature = tuple(sorted((i.name[len(unit) + 1:], i.nbytes, i.key) for i in infos))
+        signature = tuple(sorted((i.name[len(unit) + 1 :], i.nbytes, i.key) for i in infos))
         by_container.setdefault(container, {}).setdefault(signature, []).append(unit)
     out: dict[str, str] = {}
     for container, signatures in by_container.items():
-        for signature, units in signatures.items():
+        for units in signatures.values():
             if len(units) < 2:
                 continue
             for unit in units:

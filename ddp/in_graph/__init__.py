@@ -8,6 +8,7 @@
 * `probe.py` -- finds parameters with gradient producers outside a single compiled graph;
 * `leftovers.py` -- the reduction after the backward of what the graphs did not reduce alone.
 """
+
 from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel

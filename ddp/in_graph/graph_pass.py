@@ -30,6 +30,7 @@ added, never removed: the partitioner's decisions stay valid.
 Debugging: `TORCH_LOGS=output_code` shows the emitted backward; `report()` lists, per bucket,
 the backward op after which its all-reduce is issued.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,10 +61,14 @@ class _Builder:
         node = self.graph.call_function(target, tuple(args), dict(kwargs or {}))
         with self.fake_mode:
             value = lambda n: n.meta["val"]  # noqa: E731
-            node.meta["val"] = target(*fx.node.map_arg(tuple(args), value), **fx.node.map_arg(dict(kwargs or {}), value))
+            node.meta["val"] = target(
+                *fx.node.map_arg(tuple(args), value), **fx.node.map_arg(dict(kwargs or {}), value)
+            )
         return node
 
-    def after(self, cursor: fx.Node, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> fx.Node:
+    def after(
+        self, cursor: fx.Node, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
+    ) -> fx.Node:
         with self.graph.inserting_after(cursor):
             return self.call(target, args, kwargs)
 
@@ -130,8 +135,14 @@ class _Issued:
 
 
 def insert_bucketed_all_reduce(
-    backward: fx.GraphModule, plan: GradBucketPlan, *, group_name: str, world_size: int,
-    forward: fx.GraphModule | None = None, updates: UpdateSpec | None = None, wire_dtype: torch.dtype | None = None,
+    backward: fx.GraphModule,
+    plan: GradBucketPlan,
+    *,
+    group_name: str,
+    world_size: int,
+    forward: fx.GraphModule | None = None,
+    updates: UpdateSpec | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> list[str]:
     """Add one flat all-reduce per bucket of `plan` to `backward`; return, per bucket, the op it follows.
 
@@ -204,8 +215,12 @@ def _wait_and_split(builder: _Builder, bucket: _Issued) -> list[tuple[int, fx.No
 
 
 def _insert_updates(
-    forward: fx.GraphModule, backward: fx.GraphModule, builder: _Builder, issued: list[_Issued],
-    updates: UpdateSpec, outputs: list,
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    builder: _Builder,
+    issued: list[_Issued],
+    updates: UpdateSpec,
+    outputs: list,
 ) -> None:
     """Each bucket: wait, then apply its parameters' updates, as soon as it is safe (see the Note)."""
     graph = backward.graph
@@ -229,7 +244,9 @@ def _insert_updates(
     norm_node = input_node(updates.norm_input) if updates.norm_input is not None else None
 
     def last_reader(bucket: _Issued) -> fx.Node:
-        readers = [u for i in bucket.input_indices if i in saved for u in saved[i].users if u in ours and u is not output]
+        readers = [
+            u for i in bucket.input_indices if i in saved for u in saved[i].users if u in ours and u is not output
+        ]
         return max(readers, key=order.__getitem__, default=bucket.reduced)
 
     def finish(bucket: _Issued, views: list[tuple[int, fx.Node]], scale: fx.Node | None = None) -> None:
@@ -252,17 +269,25 @@ def _insert_updates(
             norms = []
             for _, v in (pair for b in views for pair in b):
                 wide = builder.call(_prims.convert_element_type.default, [v, torch.float32])
-                norm = builder.call(_ops.sqrt.default, [builder.call(_ops.sum.default, [builder.call(_ops.mul.Tensor, [wide, wide])])])
+                norm = builder.call(
+                    _ops.sqrt.default, [builder.call(_ops.sum.default, [builder.call(_ops.mul.Tensor, [wide, wide])])]
+                )
                 if v.meta["val"].dtype != torch.float32:
-                    norm = builder.call(_prims.convert_element_type.default, [
-                        builder.call(_prims.convert_element_type.default, [norm, v.meta["val"].dtype]), torch.float32])
+                    norm = builder.call(
+                        _prims.convert_element_type.default,
+                        [builder.call(_prims.convert_element_type.default, [norm, v.meta["val"].dtype]), torch.float32],
+                    )
                 norms.append(builder.call(_ops.view.default, [builder.call(_ops.mul.Tensor, [norm, norm]), [1]]))
-            total = builder.call(_ops.sqrt.default, [builder.call(_ops.sum.default, [builder.call(_ops.cat.default, [norms])])])
+            total = builder.call(
+                _ops.sqrt.default, [builder.call(_ops.sum.default, [builder.call(_ops.cat.default, [norms])])]
+            )
             if norm_node is not None:
                 builder.call(_ops.copy_.default, [norm_node, total])
             limit = builder.call(_ops.full_like.default, [total, float(updates.clip_max_norm)])
-            coef = builder.call(_ops.clamp_max.default, [
-                builder.call(_ops.div.Tensor, [limit, builder.call(_ops.add.Tensor, [total, 1e-6])]), 1.0])
+            coef = builder.call(
+                _ops.clamp_max.default,
+                [builder.call(_ops.div.Tensor, [limit, builder.call(_ops.add.Tensor, [total, 1e-6])]), 1.0],
+            )
             for bucket, bucket_views in zip(issued, views):
                 finish(bucket, bucket_views, coef)
         return
@@ -297,8 +322,9 @@ def _insert_updates(
     order_after(graph, deps)
 
 
-def _apply_update(builder: _Builder, updates: UpdateSpec, index: int, input_node: Callable[[int], fx.Node],
-                  grad: fx.Node) -> fx.Node | None:
+def _apply_update(
+    builder: _Builder, updates: UpdateSpec, index: int, input_node: Callable[[int], fx.Node], grad: fx.Node
+) -> fx.Node | None:
     """Copy the parameter's update template into the backward, on the real parameter and state."""
     template = updates.templates[index]
     roles = [input_node(index), grad] + [input_node(i) for i in updates.role_inputs[index]]

@@ -19,6 +19,7 @@ from rank-local state. Then, as DDP's reducer does:
     all-reduce (sum; gloo has no average) -- or, with a 16-bit wire, cast first, as DDP's compress
     hooks do. No exchange through the store: a step with leftovers costs their all-reduce only.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -72,5 +73,5 @@ class LeftoverReducer:
         offset = 0
         for p in params:
             n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n

@@ -7,6 +7,7 @@ the backward it produced (ddp/in_graph/graph_pass.py). Its `uuid` names everythi
 the output graphs (this package's code, the bucket plan, the process group, the world size, the
 accumulation inputs), so compiled artifacts from a cache are only reused when they are the same.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -63,8 +64,13 @@ class InGraphPartitioner:
         kwargs.setdefault("compiler", "inductor")  # what Inductor passes, and min-cut's own default
         forward, backward = (base or min_cut_rematerialization_partition)(joint, joint_inputs, **kwargs)
         after = insert_bucketed_all_reduce(
-            backward, self.plan, group_name=self.group_name, world_size=self.world_size,
-            forward=forward, updates=self.updates, wire_dtype=self.wire_dtype,
+            backward,
+            self.plan,
+            group_name=self.group_name,
+            world_size=self.world_size,
+            forward=forward,
+            updates=self.updates,
+            wire_dtype=self.wire_dtype,
         )
         self.on_partitioned(after)
         return forward, backward
@@ -76,8 +82,19 @@ class InGraphPartitioner:
             u = self.updates
             updates = (
                 sorted((i, t.graph.code, t.positions, t.state_keys, t.hyper_keys) for i, t in u.templates.items()),
-                sorted(u.role_inputs.items()), u.clip_max_norm, u.norm_input,
+                sorted(u.role_inputs.items()),
+                u.clip_max_norm,
+                u.norm_input,
             )
-        key = repr((_CODE_HASH, plan, self.group_name, self.world_size, str(self.wire_dtype),
-                    sorted(self.accumulated_input_of.items()), updates))
+        key = repr(
+            (
+                _CODE_HASH,
+                plan,
+                self.group_name,
+                self.world_size,
+                str(self.wire_dtype),
+                sorted(self.accumulated_input_of.items()),
+                updates,
+            )
+        )
         return hashlib.sha256(key.encode()).hexdigest()

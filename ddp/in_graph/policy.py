@@ -19,6 +19,7 @@ Notes: the default hooks reduce over their state's process group (the world when
 whose group is not the DDP object's stays with DDP's reducer too. `reduce_dtype=` asks for the same
 16-bit wire without a hook; asking for one dtype while a hook asks for another is an error.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,12 @@ class Reduction:
     """Why DDP's reducer reduces (for people; decisions read `in_graph`)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"reducer": "compiled backward" if self.in_graph else "ddp", "comm_hook": self.hook,
-                "reduce_dtype": None if self.wire_dtype is None else str(self.wire_dtype), "reason": self.reason}
+        return {
+            "reducer": "compiled backward" if self.in_graph else "ddp",
+            "comm_hook": self.hook,
+            "reduce_dtype": None if self.wire_dtype is None else str(self.wire_dtype),
+            "reason": self.reason,
+        }
 
 
 _HOOK_DTYPES: dict[Callable[..., Any], torch.dtype | None] = {
@@ -63,16 +68,21 @@ _HOOK_DTYPES: dict[Callable[..., Any], torch.dtype | None] = {
 def check_reduce_dtype(reduce_dtype: Any) -> None:
     """`reduce_dtype=` must be None or one of `WIRE_DTYPES`."""
     if reduce_dtype is not None and reduce_dtype not in WIRE_DTYPES:
-        raise ValueError(f"reduce_dtype={reduce_dtype!r}: use torch.bfloat16, torch.float16, torch.float32 or None "
-                         "(None: all-reduce in the gradients' own dtype)")
+        raise ValueError(
+            f"reduce_dtype={reduce_dtype!r}: use torch.bfloat16, torch.float16, torch.float32 or None "
+            "(None: all-reduce in the gradients' own dtype)"
+        )
 
 
 def reduction_for(ddp: DistributedDataParallel, reduce_dtype: torch.dtype | None) -> Reduction:
     """The reduction for `ddp` as it is now (comm hooks included); see the Note."""
     builtin = torch_ddp.builtin_comm_hook(ddp)
     if builtin is not None:
-        return Reduction(in_graph=False, hook=builtin, reason=(
-            f"the builtin comm hook {builtin} cannot run inside the compiled backward; DDP's reducer runs it"))
+        return Reduction(
+            in_graph=False,
+            hook=builtin,
+            reason=(f"the builtin comm hook {builtin} cannot run inside the compiled backward; DDP's reducer runs it"),
+        )
     hooks = torch_ddp.comm_hooks(ddp)
     if not hooks:
         return Reduction(in_graph=True, wire_dtype=reduce_dtype)
@@ -80,17 +90,28 @@ def reduction_for(ddp: DistributedDataParallel, reduce_dtype: torch.dtype | None
     name = getattr(hook, "__qualname__", repr(hook))
     known, hook_dtype = _recipe(hook)
     if not known:
-        return Reduction(in_graph=False, hook=name, reason=(
-            f"comm hook '{name}' is user code the compiled backward cannot run; DDP's reducer runs it after "
-            "each bucket (no reduction overlaps the compiled backward). Only allreduce_hook, fp16_compress_hook, "
-            "bf16_compress_hook and their compress wrappers around allreduce_hook are compiled in"))
+        return Reduction(
+            in_graph=False,
+            hook=name,
+            reason=(
+                f"comm hook '{name}' is user code the compiled backward cannot run; DDP's reducer runs it after "
+                "each bucket (no reduction overlaps the compiled backward). Only allreduce_hook, fp16_compress_hook, "
+                "bf16_compress_hook and their compress wrappers around allreduce_hook are compiled in"
+            ),
+        )
     if not _same_group(state, ddp.process_group):
-        return Reduction(in_graph=False, hook=name, reason=(
-            f"comm hook '{name}' reduces over another process group than the DDP object's; DDP's reducer runs it"))
+        return Reduction(
+            in_graph=False,
+            hook=name,
+            reason=(
+                f"comm hook '{name}' reduces over another process group than the DDP object's; DDP's reducer runs it"
+            ),
+        )
     if reduce_dtype is not None and hook_dtype is not None and reduce_dtype != hook_dtype:
         raise ValueError(
             f"reduce_dtype={reduce_dtype} conflicts with the comm hook '{name}', which all-reduces in {hook_dtype}: "
-            "drop reduce_dtype= (the hook's dtype is used) or register no hook")
+            "drop reduce_dtype= (the hook's dtype is used) or register no hook"
+        )
     return Reduction(in_graph=True, wire_dtype=hook_dtype or reduce_dtype, hook=name)
 
 

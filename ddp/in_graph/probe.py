@@ -26,6 +26,7 @@ averaging `share + rest` over the ranks gives `share + mean(rest)`, DDP's total.
 
 Debugging: `report()["in_graph"]["outside_graph"]` lists what was found.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -54,6 +55,7 @@ class OutsideGradientProbe:
         def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
             for i, param in edges:
                 self._given.setdefault(id(param), []).append(grad_inputs[i])
+
         return hook
 
     def _arriving(self, param: torch.nn.Parameter):
@@ -61,6 +63,7 @@ class OutsideGradientProbe:
             given = self._given.pop(id(param), [])
             if len(given) != 1 or given[0] is not total:
                 self.found.add(id(param))
+
         return hook
 
     def close(self) -> set[int]:

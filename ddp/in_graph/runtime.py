@@ -41,6 +41,7 @@ with its error. Tied weights inside one graph are one input, reduced once.
 Debugging: `report()["in_graph"]` (reducer, comm hook, wire dtype, parameters reduced outside the
 graph, fallbacks); each graph's buckets name the backward op after which their all-reduce is issued.
 """
+
 from __future__ import annotations
 
 import logging
@@ -98,8 +99,9 @@ class InGraphReducer:
         """One of `VARIANTS` (ddp/in_graph/variants.py), read by the compiled code: Dynamo guards on it."""
         self.params = list(torch_ddp.reducer_params(ddp)[0])
         self._by_id = {id(p): p for p in self.params}
-        self._leftovers = LeftoverReducer(group=self.group, world_size=self.world_size,
-                                          find_unused=bool(ddp.find_unused_parameters), names=names)
+        self._leftovers = LeftoverReducer(
+            group=self.group, world_size=self.world_size, find_unused=bool(ddp.find_unused_parameters), names=names
+        )
         self.outside: dict[int, str] = {}
         """Parameters with gradient producers besides one compiled graph: reduced after the backward."""
         self.fallbacks: list[dict[str, str]] = []
@@ -142,9 +144,14 @@ class InGraphReducer:
         return bool(self._updated)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.reduction.to_dict(), "outside_graph": sorted(self.outside.values()),
-                "leftovers_last_step": list(self.last_leftovers), "fallbacks": list(self.fallbacks),
-                "find_unused_parameters": self._leftovers.find_unused, "not_updated_in_backward": list(self.not_updated)}
+        return {
+            **self.reduction.to_dict(),
+            "outside_graph": sorted(self.outside.values()),
+            "leftovers_last_step": list(self.last_leftovers),
+            "fallbacks": list(self.fallbacks),
+            "find_unused_parameters": self._leftovers.find_unused,
+            "not_updated_in_backward": list(self.not_updated),
+        }
 
     # -- around DDP's forward ------------------------------------------------------------------------
 
@@ -211,6 +218,7 @@ class InGraphReducer:
         in all of them. Each submodule's call reads it in a pre-hook (Dynamo inlines the hook, so
         compiled code pays nothing; eager code pays one Python call per module call).
         """
+
         def read_variant(mod: torch.nn.Module, args: Any) -> None:
             if self.variant == "local":  # the comparison makes Dynamo guard on the value
                 return None
@@ -253,14 +261,20 @@ class InGraphReducer:
             name = self.names.get(id(value))
             if name is None or name in self.ignored or id(value) not in self._by_id or id(value) in self.outside:
                 continue
-            info = ParamInfo(name=name, nbytes=value.numel() * value.element_size(), key=f"{value.dtype}/{value.device}")
+            info = ParamInfo(
+                name=name, nbytes=value.numel() * value.element_size(), key=f"{value.dtype}/{value.device}"
+            )
             slots[node.name] = GradSlot(input_index=index, info=info)
         ordered = ready_order(gm.graph, slots)
         cap, first = self.caps
         return plan_grad_buckets(ordered, bucket_cap_bytes=cap, first_bucket_cap_bytes=first), ordered
 
     def compile(
-        self, gm: fx.GraphModule, example_inputs: list, name: str, compile_piece: CompileFn,
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list,
+        name: str,
+        compile_piece: CompileFn,
         on_partitioned: Callable[[list[str]], None],
     ) -> tuple[Callable[..., Any], GradBucketPlan | None]:
         """Compile one graph in the current variant; returns (callable for Dynamo, plan or None)."""
@@ -276,16 +290,22 @@ class InGraphReducer:
         accumulated: dict[int, int] = {}
         if accumulates(variant):
             for i in sorted(plan.input_indices()):
-                accumulated[i] = add_input(inputs, extras, torch.zeros_like(inputs[i]),
-                                           lambda p=inputs[i]: self._take_accumulated(p))
+                accumulated[i] = add_input(
+                    inputs, extras, torch.zeros_like(inputs[i]), lambda p=inputs[i]: self._take_accumulated(p)
+                )
         spec = self._update_spec(gm, inputs, plan, extras) if updates_in_backward(variant) else None
         if self.updates is not None and spec is None and updates_in_backward(variant):
             log.warning("ddp in_graph: %s: optimizer update stays after the backward: %s", name, self.update_blocker)
         if extras:
             gm = with_extra_inputs(gm, [f"ddp_compile_input_{k}" for k in range(len(extras))])
         partitioner = InGraphPartitioner(
-            plan, group_name=self.group_name, world_size=self.world_size, wire_dtype=self.reduction.wire_dtype,
-            accumulated_input_of=accumulated, updates=spec, on_partitioned=on_partitioned,
+            plan,
+            group_name=self.group_name,
+            world_size=self.world_size,
+            wire_dtype=self.reduction.wire_dtype,
+            accumulated_input_of=accumulated,
+            updates=spec,
+            on_partitioned=on_partitioned,
         )
         compiled, used_aot = compile_piece(gm, inputs, name, partitioner=partitioner)
         if not used_aot:
@@ -293,8 +313,9 @@ class InGraphReducer:
             # reduced after the backward. Say so: the user asked for reduction inside the backward.
             reason = "the graph fell back to eager (no compiled backward to hold its all-reduces)"
             self.fallbacks.append({"graph": name, "reason": reason})
-            log.warning("compile_core: ddp='in_graph': %s: %s; its gradients are all-reduced after the backward",
-                        name, reason)
+            log.warning(
+                "compile_core: ddp='in_graph': %s: %s; its gradients are all-reduced after the backward", name, reason
+            )
             return original.forward, None
         entry = (tuple(b.params for b in plan.buckets), str(self.reduction.wire_dtype))
         covered = frozenset(id(inputs[i]) for i in plan.input_indices())
@@ -372,4 +393,6 @@ class InGraphReducer:
             log.warning(
                 "compile_core: ddp='in_graph': %s also get gradients from outside a single compiled graph "
                 "(eager code, an auxiliary loss, another graph); they are all-reduced after the backward, "
-                "as DDP reduces their total", sorted(new.values()))
+                "as DDP reduces their total",
+                sorted(new.values()),
+            )

@@ -5,6 +5,7 @@ compiles with them; `ddp/in_graph/graph_pass.py` uses them).
 Each extra input has an example (for compiling) and a producer called at every run of the graph, in
 the order the graph takes them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,12 @@ class UpdateInputs:
 
 
 def update_inputs(
-    gm: fx.GraphModule, inputs: list, plan: GradBucketPlan, extras: list[Callable[[], torch.Tensor]],
-    provider: UpdateProvider, names: dict[int, str],
+    gm: fx.GraphModule,
+    inputs: list,
+    plan: GradBucketPlan,
+    extras: list[Callable[[], torch.Tensor]],
+    provider: UpdateProvider,
+    names: dict[int, str],
 ) -> UpdateInputs:
     """Extra inputs (appended to `inputs`/`extras`) and templates for updating the planned parameters that
     have an update."""
@@ -75,13 +80,18 @@ def update_inputs(
         ]
         for k, (key, tensor) in enumerate(provider.hypers(param, template)):
             if key not in hyper_inputs:
-                hyper_inputs[key] = add_input(inputs, extras, tensor.detach().clone(),
-                                              lambda p=param, t=template, k=k: provider.hypers(p, t)[k][1])
+                hyper_inputs[key] = add_input(
+                    inputs,
+                    extras,
+                    tensor.detach().clone(),
+                    lambda p=param, t=template, k=k: provider.hypers(p, t)[k][1],
+                )
             roles.append(hyper_inputs[key])
         role_inputs[i] = tuple(roles)
     norm_input = None
     if provider.clip_max_norm is not None and provider.norm is not None:
         norm_input = add_input(inputs, extras, torch.zeros_like(provider.norm), lambda: provider.norm)
-    spec = UpdateSpec(templates=templates, role_inputs=role_inputs, clip_max_norm=provider.clip_max_norm,
-                      norm_input=norm_input)
+    spec = UpdateSpec(
+        templates=templates, role_inputs=role_inputs, clip_max_norm=provider.clip_max_norm, norm_input=norm_input
+    )
     return UpdateInputs(spec, None, not_updated)

@@ -5,6 +5,7 @@ A variant is one of `VARIANTS`; `InGraphReducer` holds the current one in a plai
 the compiled code compares with, so Dynamo guards on it and keeps one cache entry per variant. What a
 variant does is read from `accumulates` / `updates_in_backward`, never from its spelling.
 """
+
 from __future__ import annotations
 
 from ddp.agreement import RankAgreement
@@ -22,8 +23,12 @@ def variant_for(*, sync: bool, accumulated: bool, update: bool) -> str:
     by earlier micro-batches handed to the graph, with the optimizer `update` inside the backward."""
     if not sync:
         return "local"
-    return {(False, False): "reduce", (True, False): "reduce_acc",
-            (False, True): "reduce_update", (True, True): "reduce_acc_update"}[(accumulated, update)]
+    return {
+        (False, False): "reduce",
+        (True, False): "reduce_acc",
+        (False, True): "reduce_update",
+        (True, True): "reduce_acc_update",
+    }[(accumulated, update)]
 
 
 def accumulates(variant: str) -> bool:

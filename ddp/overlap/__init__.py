@@ -7,6 +7,7 @@
 * `ddp.overlap.check.check_alignment` -- pure: planned graph pieces against the buckets DDP really used.
 * `ddp.overlap.plot.plot_timeline` -- the timeline picture (needs matplotlib).
 """
+
 from ddp.overlap.check import AlignmentResult, BucketAlignment, check_alignment
 from ddp.overlap.intervals import OverlapStats, covered_length, interval_union, overlap_stats
 from ddp.overlap.plot import plot_timeline

@@ -1,4 +1,5 @@
 """`check_alignment` (pure): do DDP's observed buckets end where our planned pieces end?"""
+
 from __future__ import annotations
 
 import collections
@@ -139,7 +140,9 @@ def check_alignment(planned: Sequence[Sequence[str]], observed: Sequence[Sequenc
     results = []
     for i, prefix in enumerate(_prefix_sets(obs)):
         if prefix in boundary_piece:
-            results.append(BucketAlignment(index=i, params=tuple(observed[i]), aligned=True, piece=boundary_piece[prefix]))
+            results.append(
+                BucketAlignment(index=i, params=tuple(observed[i]), aligned=True, piece=boundary_piece[prefix])
+            )
             continue
         cut = sorted({piece_of[n] for n in prefix} & {piece_of[n] for n in common - prefix})
         cut_names = [n for k in cut for n in plan[k]]

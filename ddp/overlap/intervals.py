@@ -27,6 +27,7 @@ Limitation: times are host-side `time.perf_counter()` stamps. With gloo (CPU) th
 all-reduce is done, so the stamps are real. With NCCL the future's callback runs when the work is enqueued on
 the stream, not when the GPU finishes it; use the profiler for GPU-accurate numbers.
 """
+
 from __future__ import annotations
 
 import dataclasses

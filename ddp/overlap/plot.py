@@ -1,4 +1,5 @@
 """Timeline picture of one step: backward compute on top, one lane per bucket (matplotlib, optional)."""
+
 from __future__ import annotations
 
 from pathlib import Path

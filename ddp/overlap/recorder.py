@@ -6,6 +6,7 @@ future's callback). It only uses public DDP APIs (`register_comm_hook`, `GradBuc
 working when `compile_core` swaps DDP's reducer (hooks are carried over). What it records is a
 `StepTimeline` per step (`ddp/overlap/timeline.py`); the overlap math is in `ddp/overlap/intervals.py`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -113,7 +114,10 @@ class OverlapRecorder:
         with self._lock:
             step = self._step
             self._open.setdefault(step, {})[bucket.index()] = [
-                params, buffer.numel() * buffer.element_size(), ready, None
+                params,
+                buffer.numel() * buffer.element_size(),
+                ready,
+                None,
             ]
             if bucket.is_last():
                 self._last_seen[step] = True

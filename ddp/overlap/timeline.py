@@ -1,5 +1,6 @@
 """`StepTimeline`: what `OverlapRecorder` saw of one step (its buckets' all-reduces and the backward
 window), shared by the recorder (`ddp/overlap/recorder.py`) and the picture (`ddp/overlap/plot.py`)."""
+
 from __future__ import annotations
 
 import dataclasses

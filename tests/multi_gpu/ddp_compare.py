@@ -10,6 +10,7 @@ Every numerical check compares with EAGER DDP trained in the same processes on t
 depend on the rank, so a bucket that is not reduced (or reduced with the wrong scale) changes the
 numbers, and `assert_reduced_once` catches a bucket reduced twice (which averaging would hide).
 """
+
 from __future__ import annotations
 
 import collections
@@ -24,7 +25,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.ranks import to_rank_device, wrap_ddp
-
 
 # -- inside the ranks ---------------------------------------------------------------------------------
 
@@ -85,10 +85,12 @@ class CollectiveLog:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             yield
         names = [e.name for e in prof.events()]
-        self.steps.append({
-            "all_reduces": sum(1 for n in names if n in ("gloo:all_reduce", "nccl:all_reduce")),
-            "ddp_reducer": sum(1 for n in names if n.startswith("torch.distributed.ddp.reducer::")),
-        })
+        self.steps.append(
+            {
+                "all_reduces": sum(1 for n in names if n in ("gloo:all_reduce", "nccl:all_reduce")),
+                "ddp_reducer": sum(1 for n in names if n.startswith("torch.distributed.ddp.reducer::")),
+            }
+        )
 
 
 def logging_allreduce(state: BucketLog, bucket):
@@ -290,5 +292,6 @@ def update_rel_err(params: dict, ref: dict, initial: dict) -> float:
     """
     return max(
         ((params[n].double() - ref[n].double()).norm() / (ref[n].double() - initial[n].double()).norm()).item()
-        for n in ref if not torch.equal(ref[n], initial[n])
+        for n in ref
+        if not torch.equal(ref[n], initial[n])
     )

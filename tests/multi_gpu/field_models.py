@@ -3,6 +3,7 @@
 Each is a pattern real training scripts contain: an auxiliary loss on a model parameter, a branch that
 joins late or leaves, experts switched per step, eager code at a graph break, a custom comm hook.
 """
+
 from __future__ import annotations
 
 import torch
@@ -101,8 +102,10 @@ class Mixed(nn.Module):
 
 def regression_data(rank: int, n: int, device: torch.device) -> list:
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
-    return [((torch.randn(8, WIDTH, generator=g).to(device),), torch.randn(8, OUT, generator=g).to(device))
-            for _ in range(n)]
+    return [
+        ((torch.randn(8, WIDTH, generator=g).to(device),), torch.randn(8, OUT, generator=g).to(device))
+        for _ in range(n)
+    ]
 
 
 def aux_on_head_bias(out, target, model, step):

@@ -5,6 +5,7 @@ marker (command line or environment), which is how a timed-out or failed test fi
 torchx starts each node in a session of its own and torchrun each rank in its own, so killing the
 launcher's process group is not enough.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,13 +34,33 @@ class LaunchJob:
         self.script = self.workdir / "rank_script.py"
         self.script.write_text(script_text)
 
-    def run(self, *launch_args: str, env: dict | None = None, timeout: float = 150,
-            script_args: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
+    def run(
+        self, *launch_args: str, env: dict | None = None, timeout: float = 150, script_args: tuple[str, ...] = ()
+    ) -> tuple[subprocess.CompletedProcess, float]:
         """(result, wall time of the launcher's exit); fails the test after `timeout`, killing everything."""
-        cmd = [sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(free_port()),
-               "--log-dir", str(self.workdir / "logs"), *launch_args, str(self.script), *script_args]
-        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-port",
+            str(free_port()),
+            "--log-dir",
+            str(self.workdir / "logs"),
+            *launch_args,
+            str(self.script),
+            *script_args,
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

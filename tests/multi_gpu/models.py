@@ -1,4 +1,5 @@
 """Small models and rank-dependent data shared by the 2-rank test modules."""
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,12 @@ class WithBatchNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
-            nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+            nn.Linear(WIDTH, WIDTH),
+            nn.BatchNorm1d(WIDTH),
+            nn.Tanh(),
+            nn.Linear(WIDTH, WIDTH),
+            nn.BatchNorm1d(WIDTH),
+            nn.Tanh(),
             nn.Linear(WIDTH, WIDTH),
         )
 

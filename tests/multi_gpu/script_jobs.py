@@ -5,6 +5,7 @@ through torchrun), so the test cannot hold their pids. Every process of a job in
 its environment instead; whatever happens (success, failure, timeout, pytest-timeout's exception),
 every process carrying it is killed before the call returns.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,20 +24,36 @@ from tests.procs import kill_marked, procs_with
 REPO = Path(__file__).resolve().parents[2]
 MARKER_ENV = "DDP_COMPILE_SCRIPT_JOB"
 """Environment variable carrying a job's marker (inherited by every rank the job starts)."""
-_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-             "MASTER_PORT")
+_RANK_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 """Inherited rank variables would make the frameworks believe they were launched as a rank already."""
 
 
-def run_script_job(cmd: list[str], *, prefix: str, timeout: float, env: dict[str, str] | None = None,
-                   grace_s: float = 10.0) -> subprocess.CompletedProcess:
+def run_script_job(
+    cmd: list[str], *, prefix: str, timeout: float, env: dict[str, str] | None = None, grace_s: float = 10.0
+) -> subprocess.CompletedProcess:
     """Run `cmd` in the repo root (stdout and stderr together); fail the test after `timeout` seconds."""
     marker = f"{prefix}_{uuid.uuid4().hex[:12]}"
     base = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
-    full_env = {**base, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
-                "MASTER_PORT": str(free_port()), MARKER_ENV: marker, **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    full_env = {
+        **base,
+        "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "MASTER_PORT": str(free_port()),
+        MARKER_ENV: marker,
+        **(env or {}),
+    }
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

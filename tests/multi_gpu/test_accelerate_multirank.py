@@ -7,6 +7,7 @@ prepared DataLoader shards it), 3 SGD steps.
 wants mpirun), so the ranks come from `--multi_gpu` (torchrun) with ACCELERATE_USE_CPU=1, what
 `--cpu` sets: two gloo ranks on CPU.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,14 +43,30 @@ def runs(tmp_path_factory):
     results = {}
     for name, args in RUNS.items():
         cmd = accelerate_launch(
-            "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-            "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-            str(REPO / "examples" / "accelerate_train.py"), *args, "--steps", str(STEPS), "--out", str(out / name),
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            str(REPO / "examples" / "accelerate_train.py"),
+            *args,
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(out / name),
         )
         # HF_HOME: no accelerate config file of the machine's user is read.
         env = {"ACCELERATE_USE_CPU": "1", "HF_HOME": str(out / "hf_home")}
-        results[name] = {"out": out / name, "log": assert_ok(run_script_job(cmd, prefix=f"accelerate_{name}",
-                                                                             timeout=180, env=env))}
+        results[name] = {
+            "out": out / name,
+            "log": assert_ok(run_script_job(cmd, prefix=f"accelerate_{name}", timeout=180, env=env)),
+        }
     return results
 
 

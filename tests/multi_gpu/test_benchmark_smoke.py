@@ -12,6 +12,7 @@ smoke runs SGD (its default): AdamW normalises the gradient's scale away, so a d
 pass an AdamW gate (see BenchConfig.param_rtol); the AdamW plumbing is unit-tested in
 tests/single/test_benchmark_parts.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,10 +76,21 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
     marker = f"benchsmoke_{uuid.uuid4().hex[:12]}"
     env = {**os.environ, "BENCH_SMOKE_TEST_MARKER": marker, "TMPDIR": str(tmp_path)}  # cache dirs under tmp_path
     # one workload keeps this near a minute on 2 cores; aot_eager is the smoke default backend
-    cmd = [sys.executable, "-m", "benchmarks", "--smoke", "--workloads", "comm", "--timeout", str(JOB_TIMEOUT_S),
-           "--out-dir", str(tmp_path / "out")]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--smoke",
+        "--workloads",
+        "comm",
+        "--timeout",
+        str(JOB_TIMEOUT_S),
+        "--out-dir",
+        str(tmp_path / "out"),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -116,8 +128,11 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
     # orders of magnitude outside the tolerance.
     eager = modes["eager"]["param_checksum"]
     assert checksum_distance(_replay(result, ranks=(0, 1)), eager) <= rtol
-    for broken in (_replay(result, ranks=(0,)), _replay(result, ranks=(1,)),
-                   _replay(result, ranks=(0, 1), grad_scale=2)):
+    for broken in (
+        _replay(result, ranks=(0,)),
+        _replay(result, ranks=(1,)),
+        _replay(result, ranks=(0, 1), grad_scale=2),
+    ):
         assert checksum_distance(broken, eager) > 1000 * rtol
 
     # Losses still agree (the weaker check the table reports)
@@ -217,8 +232,12 @@ def _agg(loss: float, jobs: list[float] | None = None) -> dict:
 def test_loss_agreement_flags_the_mode_that_drifted():
     from benchmarks.aggregate import loss_agreement
 
-    modes = {"eager": _agg(2.0), "ours_compile": _agg(2.0001), "torch_ddpopt": _agg(2.5),
-             "ours_step": {"status": "unavailable", "error": "ours_step rank 0: missing"}}
+    modes = {
+        "eager": _agg(2.0),
+        "ours_compile": _agg(2.0001),
+        "torch_ddpopt": _agg(2.5),
+        "ours_step": {"status": "unavailable", "error": "ours_step rank 0: missing"},
+    }
     result = loss_agreement(modes, rtol=1e-3, atol=1e-4)
     assert result["ok"] is False and result["reference"] == "eager"
     assert [d["mode"] for d in result["disagree"]] == ["torch_ddpopt"]
@@ -236,8 +255,9 @@ def _fingerprint(deltas: dict) -> dict:
 
     from benchmarks.checksum import param_checksum
 
-    return param_checksum({n: torch.tensor(v) for n, v in deltas.items()},
-                          {n: torch.zeros(len(v)) for n, v in deltas.items()})
+    return param_checksum(
+        {n: torch.tensor(v) for n, v in deltas.items()}, {n: torch.zeros(len(v)) for n, v in deltas.items()}
+    )
 
 
 def test_checksum_distance_is_relative_to_the_update_and_sees_direction():
@@ -263,9 +283,14 @@ def test_param_agreement_flags_wrong_modes_ranks_and_jobs():
     def agg(c, ranks=0.0, jobs=None):
         return {"status": "ok", "param_checksum": c, "rank_param_distance": ranks, "param_checksum_jobs": jobs or [c]}
 
-    modes = {"eager": agg(good), "ours_compile": agg(good), "torch_nosplit": agg(local),
-             "ours_step": agg(good, ranks=0.3), "torch_ddpopt": agg(good, jobs=[good, local]),
-             "torch_python_reducer": {"status": "failed", "error": "x"}}
+    modes = {
+        "eager": agg(good),
+        "ours_compile": agg(good),
+        "torch_nosplit": agg(local),
+        "ours_step": agg(good, ranks=0.3),
+        "torch_ddpopt": agg(good, jobs=[good, local]),
+        "torch_python_reducer": {"status": "failed", "error": "x"},
+    }
     result = param_agreement(modes, rtol=1e-5)
     assert result["ok"] is False and result["reference"] == "eager"
     assert [d["mode"] for d in result["disagree"]] == ["torch_nosplit"]
@@ -298,8 +323,12 @@ def test_rounds_are_interleaved_and_rotated(tmp_path):
     from benchmarks.config import BenchConfig, Workload
     from benchmarks.suite import CacheDirs, plan_round
 
-    cfg = BenchConfig(workloads=(Workload(name="w"),), modes=("eager", "torch_ddpopt", "ours_compile"),
-                      scaling=False, out_dir=tmp_path)
+    cfg = BenchConfig(
+        workloads=(Workload(name="w"),),
+        modes=("eager", "torch_ddpopt", "ours_compile"),
+        scaling=False,
+        out_dir=tmp_path,
+    )
     caches = CacheDirs(tmp_path)
     try:
         r1 = [(j.mode, j.kind) for j in plan_round(cfg, 1, caches)]
@@ -307,7 +336,12 @@ def test_rounds_are_interleaved_and_rotated(tmp_path):
         assert (caches.root.stat().st_mode & 0o777) == 0o700  # private cache root
     finally:
         caches.cleanup()
-    assert r1 == [("eager", "warm"), ("torch_ddpopt", "cold"), ("torch_ddpopt", "warm"),
-                  ("ours_compile", "cold"), ("ours_compile", "warm")]
+    assert r1 == [
+        ("eager", "warm"),
+        ("torch_ddpopt", "cold"),
+        ("torch_ddpopt", "warm"),
+        ("ours_compile", "cold"),
+        ("ours_compile", "warm"),
+    ]
     # round 2 starts one mode later and reuses round 1's compile cache (warm jobs only)
     assert r2 == [("torch_ddpopt", "warm"), ("ours_compile", "warm"), ("eager", "warm")]

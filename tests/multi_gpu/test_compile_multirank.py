@@ -1,4 +1,5 @@
 """Two ranks (gloo on CPU, nccl with >= 2 GPUs): compiled DDP against eager DDP, and DDP's real buckets."""
+
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,9 @@ def record_buckets(ddp: DDP, sink: list) -> None:
     ddp.register_comm_hook(None, hook)
 
 
-def train_both(rank: int, world_size: int, backend: str, cap_mb: float, our_cap_mb: tuple | None = None,
-               reuse_pieces: bool = True):
+def train_both(
+    rank: int, world_size: int, backend: str, cap_mb: float, our_cap_mb: tuple | None = None, reuse_pieces: bool = True
+):
     import compile_core
 
     torch.manual_seed(0)

@@ -2,6 +2,7 @@
 its own Inductor cache dir, its own LOCAL_RANK 0 and GROUP_RANK, as two hosts without a shared
 filesystem would). Each distinct piece is compiled by one rank and shipped to the other; a piece that
 bakes a rank-specific value is never shipped; a warm restart takes everything from its own node's cache."""
+
 from __future__ import annotations
 
 import copy
@@ -33,10 +34,15 @@ class RankScaledBlocks(Blocks):
 
 def as_node(rank: int, world_size: int, cache_root: str, steps: int):
     # What torchrun gives a rank on its own node of a 2-node x 1-rank job, and the node's own cache dir.
-    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
-                      TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_root, f"node{rank}"))
-    import compile_core
+    os.environ.update(
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        GROUP_RANK=str(rank),
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_root, f"node{rank}"),
+    )
     from torch._dynamo.utils import counters
+
+    import compile_core
 
     torch.manual_seed(0)
     scale = 1.0 + 0.5 * rank  # rank 0: 1.0, rank 1: 1.5

@@ -1,5 +1,6 @@
 """Compile once on two ranks: identical pieces reused, each distinct piece compiled by one rank and
 loaded by the other, a warm second job taking everything from the cache, a failing leader."""
+
 from __future__ import annotations
 
 import copy
@@ -18,15 +19,19 @@ pytestmark = pytest.mark.multi_gpu
 def train_blocks(rank: int, world_size: int, backend: str, cache_dir: str | None, fail_leader: bool = False):
     if cache_dir is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # before anything compiles in this process
-    import compile_core
     from torch._dynamo.utils import counters
+
+    import compile_core
 
     if fail_leader:
         _make_rank0_a_failing_leader(rank)
     torch.manual_seed(0)
     # The failing-leader case uses one small graph: both ranks go for the same piece first.
-    model = to_rank_device(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
-                           if fail_leader else Blocks())
+    model = to_rank_device(
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+        if fail_leader
+        else Blocks()
+    )
     ref = copy.deepcopy(model)
     cap = 25 if fail_leader else 0.01
     ours, theirs = wrap_ddp(model, bucket_cap_mb=cap), wrap_ddp(ref, bucket_cap_mb=cap)
@@ -54,6 +59,7 @@ def _make_rank0_a_failing_leader(rank: int) -> None:
     import compile_core.pieces as pieces
 
     if rank == 0:
+
         def failing(*args, **kwargs):
             time.sleep(8)
             raise RuntimeError("leader failed on purpose")
@@ -108,7 +114,11 @@ def test_inductor_ranks_share_compiles_and_a_warm_job_hits_every_cache(tmp_path)
         assert [p["cache"] for p in pairs] == ["hit"] * 4 and all(p["backward_ops"] for p in pairs), pairs
         aot, fx = r["counters"]["aot_autograd"], r["counters"]["inductor"]
         # no AOT trace, no Inductor lowering, forward or backward
-        assert aot.get("autograd_cache_hit") == 4 and not aot.get("autograd_cache_miss") and not aot.get("autograd_cache_bypass"), aot
+        assert (
+            aot.get("autograd_cache_hit") == 4
+            and not aot.get("autograd_cache_miss")
+            and not aot.get("autograd_cache_bypass")
+        ), aot
         assert not fx.get("fxgraph_cache_miss") and fx.get("fxgraph_cache_hit") == 8, fx
 
 

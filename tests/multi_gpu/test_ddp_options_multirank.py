@@ -9,6 +9,7 @@ rank-dependent data for 3 SGD-momentum steps, in the same processes, and the tes
   * every parameter DDP should reduce went through exactly one bucket in every backward.
 All scenarios run in one 2-rank launch (a module-scoped fixture); each test asserts on one entry.
 """
+
 from __future__ import annotations
 
 import functools
@@ -120,14 +121,14 @@ SCENARIOS = {
     "gradient_as_bucket_view": lambda rank: _train(rank, mlp, ddp_kwargs={"gradient_as_bucket_view": True}),
     "find_unused_parameters": lambda rank: _train(rank, WithUnused, ddp_kwargs={"find_unused_parameters": True}),
     "eager_region": lambda rank: _train(rank, EagerMiddle),
-    "mixed_dtypes": lambda rank: _train(
-        rank, MixedDtypes, extra_refs={"fp32": lambda: MixedDtypes(bf16=False)}),
+    "mixed_dtypes": lambda rank: _train(rank, MixedDtypes, extra_refs={"fp32": lambda: MixedDtypes(bf16=False)}),
     "frozen": lambda rank: _train(rank, Frozen),
     "ignored": lambda rank: _train(rank, mlp, ignore=("2.weight", "2.bias")),
     "graph_break": lambda rank: _train(rank, GraphBreak),
     "ddp_called_directly": lambda rank: _train(rank, mlp, call_ddp_directly=True),
     "autocast_across_pieces": lambda rank: _train(
-        rank, AutocastMiddle, extra_refs={"fp32": lambda: AutocastMiddle(autocast=False)}),
+        rank, AutocastMiddle, extra_refs={"fp32": lambda: AutocastMiddle(autocast=False)}
+    ),
     "batchnorm_buffers": lambda rank: _train(rank, WithBatchNorm),
     "static_graph": lambda rank: _train(rank, mlp, ddp_kwargs={"static_graph": True}),
 }
@@ -160,7 +161,9 @@ def test_gradient_as_bucket_view_survives_the_reducer_swap(results):
     # last step, the gradients of each bucket DDP reduced are views of one flat buffer.
     for rank, r in enumerate(per_rank):
         buckets = sorted(sorted(names) for _, names in r["reduced"][-1])
-        assert r["grad_storage"] == buckets, f"rank {rank}: gradients sharing storage {r['grad_storage']}, buckets {buckets}"
+        assert r["grad_storage"] == buckets, (
+            f"rank {rank}: gradients sharing storage {r['grad_storage']}, buckets {buckets}"
+        )
     plain = ok(results, "plain")[0]
     assert all(len(g) == 1 for g in plain["grad_storage"]), "without the option every gradient has its own storage"
 

@@ -8,6 +8,7 @@ pytest-timeout, which raises inside the test) the fixture kills every process st
 torchx starts each node in its own session and torchrun each rank in its own, so killing the launcher's
 process group would not be enough.
 """
+
 from __future__ import annotations
 
 import re
@@ -92,8 +93,9 @@ def test_sigkilled_rank_is_named_with_its_signal(fault_job):
     assert after_fault <= 60, f"{after_fault:.1f} s from the kill to the launcher's exit"
     assert "rank 0 step 2 done" in res.stdout  # the kill came mid-run, after step 2
     summary = [line for line in res.stderr.splitlines() if line.startswith("launch: job FAILED")]
-    assert summary == [f"launch: job FAILED: rank 1 (local rank 1 on {socket.gethostname()}) "
-                       "was killed by signal SIGKILL (9)"], res.stderr
+    assert summary == [
+        f"launch: job FAILED: rank 1 (local rank 1 on {socket.gethostname()}) was killed by signal SIGKILL (9)"
+    ], res.stderr
 
 
 @pytest.mark.timeout(180)
@@ -110,7 +112,9 @@ def test_hung_rank_is_named_with_host_and_stack(fault_job):
     assert len(summary) == 1, res.stderr
     assert re.fullmatch(
         rf"launch: job HUNG: rank 1 \(host {re.escape(socket.gethostname())}, pid \d+\) made no progress for "
-        r"\d+\.\d s \(last heartbeat: step\) -- stopping the job", summary[0]), summary[0]
+        r"\d+\.\d s \(last heartbeat: step\) -- stopping the job",
+        summary[0],
+    ), summary[0]
     idle = float(re.search(r"for (\d+\.\d) s", summary[0]).group(1))
     assert hang_timeout <= idle <= hang_timeout + 10
     stack = "\n".join(line for line in lines if line.startswith("  [rank1] "))

@@ -6,6 +6,7 @@ rank that differed; in `ddp="in_graph"` a divergence that would pair mismatched 
 a clear error naming the rank, before any such collective; an exception or a bad argument on one rank
 must end the job with the launcher naming that rank. Every case asserts its wall time.
 """
+
 from __future__ import annotations
 
 import re
@@ -86,8 +87,14 @@ def job(_job: LaunchJob):
     """`job(fault, mode)` runs the rank script on 2 gloo ranks through the launcher: (result, seconds)."""
 
     def run(fault: str, mode: str, *, backend: str = "aot_eager", timeout: float = 150):
-        env = {"FAULT": fault, "MODE": mode, "BACKEND": backend, "TORCHINDUCTOR_CACHE_DIR": str(_job.workdir / "cache"),
-               "DDP_COMPILE_FIRST_TIMEOUT_S": "60", "DDP_COMPILE_TIMEOUT_S": "30"}
+        env = {
+            "FAULT": fault,
+            "MODE": mode,
+            "BACKEND": backend,
+            "TORCHINDUCTOR_CACHE_DIR": str(_job.workdir / "cache"),
+            "DDP_COMPILE_FIRST_TIMEOUT_S": "60",
+            "DDP_COMPILE_TIMEOUT_S": "30",
+        }
         start = time.time()
         res, end = _job.run(env=env, timeout=timeout)
         return res, end - start
@@ -164,10 +171,13 @@ def test_split_mode_survives_inductor_failing_on_one_rank(job):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("fault, words", [
-    ("bad_argument", "ValueError: bucket_cap_mb=-1"),
-    ("compile_error", "graph_break"),
-])
+@pytest.mark.parametrize(
+    "fault, words",
+    [
+        ("bad_argument", "ValueError: bucket_cap_mb=-1"),
+        ("compile_error", "graph_break"),
+    ],
+)
 def test_an_error_on_one_rank_ends_the_job_naming_it(job, fault, words):
     res, seconds = job(fault, "split")
     assert res.returncode == 1, res.stdout[-2000:]

@@ -6,6 +6,7 @@ ranks with rank-dependent data for 4 updates, and checks the parameters and opti
 the same loop run eagerly, and where the update ran (inside the backward from update 2, or the normal
 path with a reason). All scenarios run in one 2-rank launch (module-scoped fixture).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -48,8 +49,13 @@ def adamw_groups(model):
     """The usual transformer recipe: weight decay on matrices, none on biases, and another lr."""
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3, "betas": (0.8, 0.95)}], lr=1e-2)
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3, "betas": (0.8, 0.95)},
+        ],
+        lr=1e-2,
+    )
 
 
 def _script(**kwargs) -> Script:
@@ -73,6 +79,7 @@ def _unclipped(rank: int, script: Script) -> dict:
 def _branch_from(first: int):
     def before(model, step):
         model.use_extra = step >= first
+
     return before
 
 
@@ -84,13 +91,15 @@ SCENARIOS = {
     "aux_loss_sgd": lambda r: _step(r, _script(loss=aux_on_head_bias)),
     "aux_loss_adamw": lambda r: _step(r, _script(loss=aux_on_head_bias, make_opt=adamw)),
     "aux_loss_clip": lambda r: _step(r, _script(loss=aux_on_head_bias, make_opt=adamw, clip=0.05)),
-    "branch_joins_at_update_3": lambda r: _step(r, _script(
-        make_model=Branchy, before_step=_branch_from(2), ddp_kwargs={"find_unused_parameters": True})),
+    "branch_joins_at_update_3": lambda r: _step(
+        r, _script(make_model=Branchy, before_step=_branch_from(2), ddp_kwargs={"find_unused_parameters": True})
+    ),
     "static_graph": lambda r: _step(r, _script(make_opt=adamw, ddp_kwargs={"static_graph": True})),
     "ignored_parameters": lambda r: _step(r, _script(make_opt=adamw, ignore=("body.2.weight", "body.2.bias"))),
     "custom_comm_hook": lambda r: _step(r, _script(setup=lambda d: d.register_comm_hook(Halve(), halve_hook))),
-    "fp16_compress_hook": lambda r: _step(r, _script(
-        make_opt=adamw, setup=lambda d: d.register_comm_hook(None, default_hooks.fp16_compress_hook))),
+    "fp16_compress_hook": lambda r: _step(
+        r, _script(make_opt=adamw, setup=lambda d: d.register_comm_hook(None, default_hooks.fp16_compress_hook))
+    ),
     "mixed_dtypes": lambda r: _step(r, _script(make_model=Mixed, make_opt=adamw)),
     "mixed_dtypes_clip": lambda r: _step(r, _script(make_model=Mixed, make_opt=sgd_big_steps, clip=0.5)),
     "mixed_dtypes_clip_unclipped": lambda r: _unclipped(r, _script(make_model=Mixed, make_opt=sgd_big_steps, clip=0.5)),
@@ -123,8 +132,9 @@ def _assert_in_backward(per_rank: list[dict], *, kept: int = 0) -> None:
         assert iob["grads_kept_last_backward"] == kept, iob
 
 
-@pytest.mark.parametrize("name", ["plain_sgd", "sgd_momentum_foreach", "adam_fused", "adamw_param_groups",
-                                  "static_graph", "accumulation"])
+@pytest.mark.parametrize(
+    "name", ["plain_sgd", "sgd_momentum_foreach", "adam_fused", "adamw_param_groups", "static_graph", "accumulation"]
+)
 def test_updates_inside_the_backward_like_the_eager_script(results, name):
     per_rank = ok(results, name)
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
@@ -150,8 +160,11 @@ def test_a_branch_that_joins_at_update_3_is_updated_from_its_first_gradient(resu
     per_rank = ok(results, "branch_joins_at_update_3")
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
     assert _iob(per_rank[0])["active"], _iob(per_rank[0])
-    moved = [n for n in per_rank[0]["params"] if n.startswith("extra.")
-             and not torch.equal(per_rank[0]["params"][n], per_rank[0]["initial"][n])]
+    moved = [
+        n
+        for n in per_rank[0]["params"]
+        if n.startswith("extra.") and not torch.equal(per_rank[0]["params"][n], per_rank[0]["initial"][n])
+    ]
     assert moved == ["extra.weight", "extra.bias"], moved
 
 

@@ -6,6 +6,7 @@ same optimizer, schedule, accumulation and clipping in the same processes; it ch
 on the normal path, which creates the optimizer state), that the gradients were freed, and that both
 ranks hold identical parameters. All scenarios run in one 2-rank launch (module-scoped fixture).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,13 +61,25 @@ def _eager_loop(ddp, opt, sched, data, *, accum, clip, loss_fn):
 
 
 def _state(opt) -> dict:
-    return {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
-            for k, s in opt.state_dict()["state"].items()}
+    return {
+        k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+        for k, s in opt.state_dict()["state"].items()
+    }
 
 
-def _scenario(rank: int, *, opt: str, sched: str | None = None, accum: int = 1, clip: float | None = None,
-              make=make_model, data=None, loss_fn=F.mse_loss, checkpoint: bool = False,
-              backend: str = "aot_eager") -> dict:
+def _scenario(
+    rank: int,
+    *,
+    opt: str,
+    sched: str | None = None,
+    accum: int = 1,
+    clip: float | None = None,
+    make=make_model,
+    data=None,
+    loss_fn=F.mse_loss,
+    checkpoint: bool = False,
+    backend: str = "aot_eager",
+) -> dict:
     import compile_core
 
     torch.manual_seed(0)
@@ -76,9 +89,17 @@ def _scenario(rank: int, *, opt: str, sched: str | None = None, accum: int = 1, 
     ours, theirs = wrap_ddp(model, bucket_cap_mb=CAP_MB), wrap_ddp(ref, bucket_cap_mb=CAP_MB)
     optimizer, ref_opt = OPTIMIZERS[opt](model.parameters()), OPTIMIZERS[opt](ref.parameters())
     schedule = SCHEDULES[sched](optimizer) if sched else None
-    step = compile_core.train_step(ours, optimizer, loss_fn, backend=backend, ddp="in_graph",
-                                   optimizer_in_backward=True, accum_steps=accum, clip_grad_norm=clip,
-                                   lr_scheduler=schedule)
+    step = compile_core.train_step(
+        ours,
+        optimizer,
+        loss_fn,
+        backend=backend,
+        ddp="in_graph",
+        optimizer_in_backward=True,
+        accum_steps=accum,
+        clip_grad_norm=clip,
+        lr_scheduler=schedule,
+    )
     data = to_rank_device(data or make_data(rank, accum * UPDATES))
     grads_left = []
     for x, y in data:
@@ -86,11 +107,20 @@ def _scenario(rank: int, *, opt: str, sched: str | None = None, accum: int = 1, 
         if step.applied:
             # measured when the backward ended, before the step's zero_grad (which would hide any)
             grads_left.append(step.report().to_dict()["optimizer_in_backward"]["grads_kept_last_backward"])
-    _eager_loop(theirs, ref_opt, SCHEDULES[sched](ref_opt) if sched else None, data, accum=accum, clip=clip,
-                loss_fn=loss_fn)
-    out = {"params": snapshot(model), "ref": snapshot(ref), "initial": initial, "state": _state(optimizer),
-           "ref_state": _state(ref_opt), "grads_left": grads_left, "report": step.report().to_dict(),
-           "lr": float(optimizer.param_groups[0]["lr"]), "ref_lr": float(ref_opt.param_groups[0]["lr"])}
+    _eager_loop(
+        theirs, ref_opt, SCHEDULES[sched](ref_opt) if sched else None, data, accum=accum, clip=clip, loss_fn=loss_fn
+    )
+    out = {
+        "params": snapshot(model),
+        "ref": snapshot(ref),
+        "initial": initial,
+        "state": _state(optimizer),
+        "ref_state": _state(ref_opt),
+        "grads_left": grads_left,
+        "report": step.report().to_dict(),
+        "lr": float(optimizer.param_groups[0]["lr"]),
+        "ref_lr": float(ref_opt.param_groups[0]["lr"]),
+    }
     if checkpoint:
         # The optimizer's checkpoint must load into a plain eager optimizer and continue like eager.
         buf = io.BytesIO()
@@ -105,16 +135,24 @@ def _scenario(rank: int, *, opt: str, sched: str | None = None, accum: int = 1, 
 def _llama():
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _llama_scenario(rank: int) -> dict:
     g = torch.Generator().manual_seed(100 + rank)
-    data = [(torch.randint(0, 64, (2, 12), generator=g), torch.randint(0, 64, (2, 12), generator=g))
-            for _ in range(UPDATES)]
+    data = [
+        (torch.randint(0, 64, (2, 12), generator=g), torch.randint(0, 64, (2, 12), generator=g)) for _ in range(UPDATES)
+    ]
 
     def loss_fn(out, y):
         return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1))
@@ -148,14 +186,19 @@ def results():
 def _assert_like_eager(per_rank: list[dict], *, rtol: float = 1e-4, atol: float = 1e-6, active: bool = True) -> None:
     for rank, r in enumerate(per_rank):
         for name, p in r["params"].items():
-            torch.testing.assert_close(p, r["ref"][name], rtol=rtol, atol=atol,
-                                       msg=lambda m: f"rank {rank} {name} vs eager: {m}")
+            torch.testing.assert_close(
+                p, r["ref"][name], rtol=rtol, atol=atol, msg=lambda m: f"rank {rank} {name} vs eager: {m}"
+            )
         assert any(not torch.equal(p, r["initial"][n]) for n, p in r["params"].items()), "training changed nothing"
         for k, state in r["ref_state"].items():
             for key, value in state.items():
-                torch.testing.assert_close(torch.as_tensor(r["state"][k][key]).double(),
-                                           torch.as_tensor(value).double(), rtol=rtol, atol=atol,
-                                           msg=lambda m: f"rank {rank} state {k}.{key}: {m}")
+                torch.testing.assert_close(
+                    torch.as_tensor(r["state"][k][key]).double(),
+                    torch.as_tensor(value).double(),
+                    rtol=rtol,
+                    atol=atol,
+                    msg=lambda m: f"rank {rank} state {k}.{key}: {m}",
+                )
         iob = r["report"]["optimizer_in_backward"]
         assert iob["requested"] and iob["active"] is active, iob
         if active:

@@ -5,6 +5,7 @@ Each scenario replays a user's eager DDP loop (tests/multi_gpu/user_script.py) t
 updates, and compares the parameters with the same loop run eagerly on the same DDP options, comm hook
 and optimizer. All scenarios run in one 2-rank launch (module-scoped fixture).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -47,6 +48,7 @@ def _in_graph(rank: int, script: Script, **kwargs) -> dict:
 def _branch_on(first: int, last: int = 10**9):
     def before(model, step):
         model.use_extra = first <= step <= last
+
     return before
 
 
@@ -60,24 +62,35 @@ SCENARIOS = {
     "static_graph": lambda r: _in_graph(r, _script(ddp_kwargs={"static_graph": True})),
     "gradient_as_bucket_view": lambda r: _in_graph(r, _script(ddp_kwargs={"gradient_as_bucket_view": True})),
     "process_subgroup": lambda r: _in_graph(r, _script(group=lambda: dist.new_group([0, 1]))),
-    "fp16_compress_hook": lambda r: _in_graph(r, _script(
-        setup=lambda d: d.register_comm_hook(None, default_hooks.fp16_compress_hook))),
-    "fp16_wrapper_of_allreduce": lambda r: _in_graph(r, _script(
-        setup=lambda d: d.register_comm_hook(None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)))),
+    "fp16_compress_hook": lambda r: _in_graph(
+        r, _script(setup=lambda d: d.register_comm_hook(None, default_hooks.fp16_compress_hook))
+    ),
+    "fp16_wrapper_of_allreduce": lambda r: _in_graph(
+        r,
+        _script(
+            setup=lambda d: d.register_comm_hook(
+                None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)
+            )
+        ),
+    ),
     "reduce_dtype_bf16": lambda r: _in_graph(
-        r, _script(eager_setup=lambda d: d.register_comm_hook(None, bf16_by_hand)), reduce_dtype=torch.bfloat16),
+        r, _script(eager_setup=lambda d: d.register_comm_hook(None, bf16_by_hand)), reduce_dtype=torch.bfloat16
+    ),
     "custom_comm_hook": lambda r: _in_graph(r, _script(setup=lambda d: d.register_comm_hook(Halve(), halve_hook))),
-    "branch_joins_late": lambda r: _in_graph(r, _script(
-        make_model=Branchy, before_step=_branch_on(2), ddp_kwargs={"find_unused_parameters": True})),
-    "branch_leaves": lambda r: _in_graph(r, _script(
-        make_model=Branchy, before_step=_branch_on(0, 1), steps=4, ddp_kwargs={"find_unused_parameters": True})),
-    "experts_switch_per_step": lambda r: _in_graph(r, _script(
-        make_model=Experts, before_step=_alternate, steps=4, ddp_kwargs={"find_unused_parameters": True})),
+    "branch_joins_late": lambda r: _in_graph(
+        r, _script(make_model=Branchy, before_step=_branch_on(2), ddp_kwargs={"find_unused_parameters": True})
+    ),
+    "branch_leaves": lambda r: _in_graph(
+        r,
+        _script(make_model=Branchy, before_step=_branch_on(0, 1), steps=4, ddp_kwargs={"find_unused_parameters": True}),
+    ),
+    "experts_switch_per_step": lambda r: _in_graph(
+        r, _script(make_model=Experts, before_step=_alternate, steps=4, ddp_kwargs={"find_unused_parameters": True})
+    ),
     "fallback_backend": lambda r: _in_graph(r, _script(), backend=lambda gm, inputs: gm.forward),
     "long_run": lambda r: _long_run(r),
     "zero_grad_after_forward": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, steps=4)),
-    "zero_grad_after_forward_accumulating": lambda r: _in_graph(r, _script(
-        zero_grad_after_forward=True, accum=2)),
+    "zero_grad_after_forward_accumulating": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, accum=2)),
     "graph_break_no_sync_accumulation": lambda r: _in_graph(r, _script(make_model=BrokenHeaded, accum=2)),
 }
 
@@ -105,8 +118,12 @@ def _long_run(rank: int, steps: int = 1000) -> dict:
         step_seconds.append(time.perf_counter() - start)
         if i % 100 == 99:
             keys[i + 1] = store.num_keys()
-    return {"keys": keys, "step_seconds": step_seconds, "exchanges": dict(compiled.in_graph.agreement._counts),
-            "leftovers": compiled.in_graph.last_leftovers}
+    return {
+        "keys": keys,
+        "step_seconds": step_seconds,
+        "exchanges": dict(compiled.in_graph.agreement._counts),
+        "leftovers": compiled.in_graph.last_leftovers,
+    }
 
 
 def _all(rank: int, world_size: int) -> dict:
@@ -119,8 +136,13 @@ def results():
 
 
 def _reduced_in_graph(report: dict) -> set[str]:
-    return {n for g in report["graphs"] if g.get("variant", "").startswith("reduce")
-            for b in g["buckets"] for n in b["params"]}
+    return {
+        n
+        for g in report["graphs"]
+        if g.get("variant", "").startswith("reduce")
+        for b in g["buckets"]
+        for n in b["params"]
+    }
 
 
 def test_an_auxiliary_loss_on_a_model_parameter_is_reduced_whole(results):

@@ -10,6 +10,7 @@ rank-dependent data (3 SGD-momentum steps unless said otherwise), in the same pr
     ranks compiled the same graphs and buckets.
 All scenarios run in one 2-rank launch (module-scoped fixture); each test asserts on one entry.
 """
+
 from __future__ import annotations
 
 import collections
@@ -64,8 +65,9 @@ class Tied(nn.Module):
 class Checkpointed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
-                                    for _ in range(3))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH)) for _ in range(3)
+        )
 
     def forward(self, x):
         for block in self.blocks:
@@ -76,8 +78,7 @@ class Checkpointed(nn.Module):
 def _train(rank: int, make_model, make_input=None, **kwargs) -> dict:
     kwargs.setdefault("backend", "aot_eager")
     kwargs.setdefault("bucket_cap_mb", CAP_MB)
-    return train_against_eager(make_model, make_input or functools.partial(batch, rank=rank), ddp="in_graph",
-                               **kwargs)
+    return train_against_eager(make_model, make_input or functools.partial(batch, rank=rank), ddp="in_graph", **kwargs)
 
 
 def _accumulate(rank: int, accum: int = 2, updates: int = 3) -> dict:
@@ -105,9 +106,16 @@ def _accumulate(rank: int, accum: int = 2, updates: int = 3) -> dict:
             if last:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-    return {"params": snapshot(model), "ref": snapshot(ref), "initial": initial, "losses": losses["ours"],
-            "ref_losses": losses["ref"], "reduced": log.steps, "report": compiled.report().to_dict(),
-            "expected_reduced": sorted(n for n, _ in model.named_parameters())}
+    return {
+        "params": snapshot(model),
+        "ref": snapshot(ref),
+        "initial": initial,
+        "losses": losses["ours"],
+        "ref_losses": losses["ref"],
+        "reduced": log.steps,
+        "report": compiled.report().to_dict(),
+        "expected_reduced": sorted(n for n, _ in model.named_parameters()),
+    }
 
 
 SCENARIOS = {
@@ -119,8 +127,13 @@ SCENARIOS = {
     "unused_parameters": lambda rank: _train(rank, WithUnused, ddp_kwargs={"find_unused_parameters": True}),
     "ignored_parameters": lambda rank: _train(rank, mlp, ignore=("2.weight", "2.bias")),
     "growing_sequence_dynamic": lambda rank: _train(
-        rank, lambda: GPT(GPT_CFG), functools.partial(tokens, rank=rank, lengths=(6, 9, 13, 16)), steps=4,
-        bucket_cap_mb=0.01, dynamic=True),
+        rank,
+        lambda: GPT(GPT_CFG),
+        functools.partial(tokens, rank=rank, lengths=(6, 9, 13, 16)),
+        steps=4,
+        bucket_cap_mb=0.01,
+        dynamic=True,
+    ),
     "fullgraph": lambda rank: _train(rank, mlp, fullgraph=True),
     "graph_break": lambda rank: _train(rank, GraphBreak),
     "ddp_called_directly": lambda rank: _train(rank, mlp, call_ddp_directly=True),
@@ -154,8 +167,10 @@ def _assert_reduced_in_graph(per_rank: list[dict], *, graphs: int = 1, not_reduc
             want = sorted(set(r["expected_reduced"]) - set(not_reduced))
             assert sorted(names) == want, f"rank {rank} {variant}: buckets hold {sorted(names)}, want {want}"
             assert all("after" in b for g in sync_graphs for b in g["buckets"])
-    reports = [[(g["name"], g.get("variant"), [b["params"] for b in g["buckets"]]) for g in r["report"]["graphs"]]
-               for r in per_rank]
+    reports = [
+        [(g["name"], g.get("variant"), [b["params"] for b in g["buckets"]]) for g in r["report"]["graphs"]]
+        for r in per_rank
+    ]
     assert reports[0] == reports[1], f"ranks compiled different graphs: {reports}"
 
 
@@ -195,8 +210,9 @@ def test_batchnorm_buffers_follow_ddps_broadcast(results):
     _assert_reduced_in_graph(per_rank)
     for rank, r in enumerate(per_rank):
         for name, buf in r["buffers"].items():
-            torch.testing.assert_close(buf, r["ref_buffers"][name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} buffer {name}: {m}")
+            torch.testing.assert_close(
+                buf, r["ref_buffers"][name], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} buffer {name}: {m}"
+            )
 
 
 def test_unused_parameters_keep_no_gradient_as_in_ddp(results):

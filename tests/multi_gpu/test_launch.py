@@ -3,6 +3,7 @@
 Every job runs a tiny script written to tmp_path whose path carries a unique marker, so the tests can
 prove that no rank, torchrun or bash process survives the job (scan of /proc/*/cmdline for the marker).
 """
+
 from __future__ import annotations
 
 import os
@@ -75,11 +76,22 @@ def job(tmp_path: Path):
             self.marker, self.script, self.workdir = marker, script, workdir
 
         def cmd(self, *launch_args: str, script_args: tuple[str, ...] = ()) -> list[str]:
-            return [sys.executable, "-m", "launch", "--rdzv-port", str(free_port()),
-                    "--log-dir", str(workdir / "logs"), *launch_args, str(script), *script_args]
+            return [
+                sys.executable,
+                "-m",
+                "launch",
+                "--rdzv-port",
+                str(free_port()),
+                "--log-dir",
+                str(workdir / "logs"),
+                *launch_args,
+                str(script),
+                *script_args,
+            ]
 
-        def run(self, *launch_args: str, env: dict | None = None, timeout: float = 120,
-                script_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        def run(
+            self, *launch_args: str, env: dict | None = None, timeout: float = 120, script_args: tuple[str, ...] = ()
+        ) -> subprocess.CompletedProcess:
             return _run(self.cmd(*launch_args, script_args=script_args), env=env, timeout=timeout, marker=marker)
 
     yield Job()
@@ -96,8 +108,9 @@ def _run(cmd: list[str], *, marker: str, env: dict | None = None, timeout: float
     """Run the launcher in its own session; on a timeout (or any exception, pytest-timeout's included)
     kill it and every process carrying the job's `marker`: torchx's local scheduler starts the replicas
     in sessions of their own, out of reach of the launcher's process group."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException as exc:
@@ -137,15 +150,24 @@ def test_failing_rank_is_named_with_its_exception(job):
     assert res.returncode != 0
     assert elapsed < 90
     summary = [line for line in res.stderr.splitlines() if line.startswith("launch: job FAILED")]
-    assert summary == ["launch: job FAILED: rank 1 (local rank 1 on "
-                       f"{socket.gethostname()}) raised ValueError: deliberate failure on rank 1 (launch test)"]
+    assert summary == [
+        "launch: job FAILED: rank 1 (local rank 1 on "
+        f"{socket.gethostname()}) raised ValueError: deliberate failure on rank 1 (launch test)"
+    ]
     assert "[rank1] ValueError: deliberate failure on rank 1" in res.stderr  # the traceback's last line
 
 
 @pytest.mark.timeout(120)
 def test_sigterm_stops_every_rank(job):
-    proc = subprocess.Popen(job.cmd("--nproc-per-node", "2"), cwd=REPO, env=_env({"HANG": "1"}),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        job.cmd("--nproc-per-node", "2"),
+        cwd=REPO,
+        env=_env({"HANG": "1"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         ready = 0
         deadline = time.monotonic() + 60
@@ -193,8 +215,9 @@ def test_dry_run_prints_torchrun_command_and_starts_nothing(job):
 def test_bad_input_is_one_line_and_exit_2(job, args, message):
     args = [str(job.script) if a == "SCRIPT" else a for a in args]
     t0 = time.monotonic()
-    res = _run([sys.executable, "-m", "launch", "--log-dir", str(job.workdir / "logs"), *args], timeout=40,
-               marker=job.marker)
+    res = _run(
+        [sys.executable, "-m", "launch", "--log-dir", str(job.workdir / "logs"), *args], timeout=40, marker=job.marker
+    )
     assert res.returncode == 2
     assert res.stdout == ""
     assert len(res.stderr.splitlines()) == 1, res.stderr
@@ -230,12 +253,40 @@ def test_component_is_registered_next_to_dist():
 @pytest.mark.timeout(300)
 def test_demo_job_runs_compiled(tmp_path):
     marker = f"launchdemo_{uuid.uuid4().hex[:12]}"
-    res = _run([sys.executable, "-m", "launch", "--nproc-per-node", "2", "--rdzv-port", str(free_port()),
-                "--log-dir", str(tmp_path / marker), "--env", f"LAUNCH_TEST_MARKER={marker}",
-                "--inductor-cache-dir", str(tmp_path / "inductor_cache"),
-                str(REPO / "examples" / "train_gpt.py"),
-                "--backend", "aot_eager", "--steps", "3", "--batch", "2", "--seq-len", "16", "--d-model", "32",
-                "--layers", "1", "--vocab", "64"], timeout=240, marker=marker)
+    res = _run(
+        [
+            sys.executable,
+            "-m",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-port",
+            str(free_port()),
+            "--log-dir",
+            str(tmp_path / marker),
+            "--env",
+            f"LAUNCH_TEST_MARKER={marker}",
+            "--inductor-cache-dir",
+            str(tmp_path / "inductor_cache"),
+            str(REPO / "examples" / "train_gpt.py"),
+            "--backend",
+            "aot_eager",
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq-len",
+            "16",
+            "--d-model",
+            "32",
+            "--layers",
+            "1",
+            "--vocab",
+            "64",
+        ],
+        timeout=240,
+        marker=marker,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[0]:step    3/3" in res.stdout
     assert "compile report" in res.stdout and "[0]:summary: 3 steps" in res.stdout

@@ -5,6 +5,7 @@ launcher re-runs the example): DDPCompileStrategy / FabricDDPCompileStrategy aga
 Each job runs the example a user reads (examples/lightning_train.py, examples/fabric_train.py) for 3
 SGD steps and saves both ranks' parameters, the compile report and a checkpoint; the tests compare them.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,11 @@ JOB_TIMEOUT_S = 240
 COMPILED = ("--backend", "aot_eager", "--steps", str(STEPS))
 # Two micro-batches per optimizer step (DDP's no_sync() under Lightning's accumulation), and
 # Lightning's order: training_step (the forward), then zero_grad, then the backward.
-TRAINER_RUNS = {"ddp_acc2": ("--strategy", "ddp", "--steps", str(STEPS), "--accumulate", "2"),
-                "split": (*COMPILED, "--ddp-mode", "split", "--accumulate", "2"),
-                "in_graph": (*COMPILED, "--ddp-mode", "in_graph", "--accumulate", "2")}
+TRAINER_RUNS = {
+    "ddp_acc2": ("--strategy", "ddp", "--steps", str(STEPS), "--accumulate", "2"),
+    "split": (*COMPILED, "--ddp-mode", "split", "--accumulate", "2"),
+    "in_graph": (*COMPILED, "--ddp-mode", "in_graph", "--accumulate", "2"),
+}
 BASELINE = {"split": "ddp_acc2", "in_graph": "ddp_acc2"}
 FABRIC_RUNS = {"ddp": ("--strategy", "ddp", "--steps", str(STEPS)), "split": (*COMPILED, "--ddp-mode", "split")}
 
@@ -34,8 +37,9 @@ FABRIC_RUNS = {"ddp": ("--strategy", "ddp", "--steps", str(STEPS)), "split": (*C
 def _run_all(script: str, runs: dict, out) -> dict:
     results = {}
     for name, args in runs.items():
-        result = run_script_job([*example(script), *args, "--out", str(out / name)], prefix=f"lightning_{name}",
-                                timeout=JOB_TIMEOUT_S)
+        result = run_script_job(
+            [*example(script), *args, "--out", str(out / name)], prefix=f"lightning_{name}", timeout=JOB_TIMEOUT_S
+        )
         results[name] = {"out": out / name, "log": assert_ok(result)}
     return results
 
@@ -79,7 +83,7 @@ def assert_report_logged_once(log: str, where: str) -> None:
     summary = f"compile_core: first training step done under {where}:"
     hits = [i for i, line in enumerate(lines) if line.startswith(summary)]
     assert len(hits) == 1, f"expected the first-step summary once, found {len(hits)}:\n{log[-4000:]}"
-    assert lines[hits[0] + 1].startswith("compile report: "), lines[hits[0]:hits[0] + 3]
+    assert lines[hits[0] + 1].startswith("compile report: "), lines[hits[0] : hits[0] + 3]
 
 
 # ---- Trainer --------------------------------------------------------------------------------------

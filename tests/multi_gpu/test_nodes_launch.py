@@ -2,6 +2,7 @@
 rendezvous on localhost, each node its own Inductor cache dir and LOCAL_* environment): the demo survives a
 SIGKILLed rank with `--max-restarts` and ends with the parameters of an uninterrupted run; a hang is named
 by global rank and node; the same command, run once per "host" with `--rdzv-endpoint`, forms one job."""
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,26 @@ DEMO_WITH_KILL = textwrap.dedent(
 )
 # Both modes end bit-identical to an uninterrupted run: `--mode compile` (compiled model, eager AdamW)
 # and `--mode train_step` (compiled update: a resumed run compiles update 1 too, docs/launch.md, "Restarts").
-TINY = ["--backend", "aot_eager", "--steps", "10", "--checkpoint-every", "3",
-        "--d-model", "32", "--layers", "1", "--vocab", "64", "--seq-len", "16", "--batch", "2", "--log-level", "WARNING"]
+TINY = [
+    "--backend",
+    "aot_eager",
+    "--steps",
+    "10",
+    "--checkpoint-every",
+    "3",
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--vocab",
+    "64",
+    "--seq-len",
+    "16",
+    "--batch",
+    "2",
+    "--log-level",
+    "WARNING",
+]
 TWO_NODES = ["--nnodes", "2", "--nproc-per-node", "1"]
 
 
@@ -68,8 +87,16 @@ def job(tmp_path):
 
 def run_demo(j: LaunchJob, kill_at: str, mode: str):
     ckpt = j.workdir / "ckpt"
-    res, _ = j.run(*TWO_NODES, "--max-restarts", "2", "--inductor-cache-dir", str(j.workdir / "cache"),
-                   env={"KILL_AT": kill_at}, timeout=240, script_args=("--mode", mode, *TINY, "--checkpoint-dir", str(ckpt)))
+    res, _ = j.run(
+        *TWO_NODES,
+        "--max-restarts",
+        "2",
+        "--inductor-cache-dir",
+        str(j.workdir / "cache"),
+        env={"KILL_AT": kill_at},
+        timeout=240,
+        script_args=("--mode", mode, *TINY, "--checkpoint-dir", str(ckpt)),
+    )
     final = ckpt / "step_00000010.pt"
     return res, torch.load(final, weights_only=True) if final.exists() else None
 
@@ -91,8 +118,10 @@ def test_a_sigkilled_rank_on_node_1_is_survived_with_the_parameters_of_an_uninte
     # The kill came after the checkpoint of step 3 and before the one of step 6; the job resumed from 3.
     assert "KILLED rank 1 at step index 5" in res.stdout and "checkpoint: resuming from step 3" in res.stdout
     lines = [line for line in res.stderr.splitlines() if line.startswith("launch: ")]
-    assert f"launch: restart 1 of 2: rank 1 (local rank 0 on node 1, host {socket.gethostname()}) was killed by " \
-           "signal SIGKILL (9); resumed from step 3" in lines, lines
+    assert (
+        f"launch: restart 1 of 2: rank 1 (local rank 0 on node 1, host {socket.gethostname()}) was killed by "
+        "signal SIGKILL (9); resumed from step 3" in lines
+    ), lines
     assert lines[-1] == "launch: job SUCCEEDED after 1 restart(s)", lines
     # Nothing lost: the same parameters and optimizer state as the run nobody killed, bit for bit.
     for name, value in ref["model"].items():
@@ -131,7 +160,9 @@ def test_a_hang_on_a_two_node_job_names_the_rank_and_its_node(job):
     summary = [line for line in res.stderr.splitlines() if line.startswith("launch: job HUNG")]
     assert len(summary) == 1 and re.fullmatch(
         rf"launch: job HUNG: rank 1 \(node 1, host {re.escape(socket.gethostname())}, pid \d+\) made no progress "
-        r"for \d+\.\d s \(last heartbeat: step\) -- stopping the job", summary[0]), res.stderr[-3000:]
+        r"for \d+\.\d s \(last heartbeat: step\) -- stopping the job",
+        summary[0],
+    ), res.stderr[-3000:]
 
 
 HOST_SCRIPT = textwrap.dedent(
@@ -159,11 +190,28 @@ def test_the_same_command_on_each_host_forms_one_job_through_the_rendezvous_endp
         Path(j.workdir / f"host{h}").mkdir()
     # Each "host" its own TMPDIR (its own default Inductor cache dir and scratch) and log dir: nothing shared
     # but the endpoint.
-    procs = [subprocess.Popen([sys.executable, "-m", "launch", *TWO_NODES, "--rdzv-endpoint", endpoint, "--log-dir",
-                               str(j.workdir / f"host{h}" / "logs"), str(j.script)],
-                              cwd=REPO, env={**os.environ, "TMPDIR": str(j.workdir / f"host{h}")},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for h in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "launch",
+                *TWO_NODES,
+                "--rdzv-endpoint",
+                endpoint,
+                "--log-dir",
+                str(j.workdir / f"host{h}" / "logs"),
+                str(j.script),
+            ],
+            cwd=REPO,
+            env={**os.environ, "TMPDIR": str(j.workdir / f"host{h}")},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for h in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     except subprocess.TimeoutExpired:
@@ -173,7 +221,7 @@ def test_the_same_command_on_each_host_forms_one_job_through_the_rendezvous_endp
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     results = sorted(m for out, _ in outs for m in re.findall(r"RESULT (rank=\d world=\d node=\d sum=\d+)", out))
     assert results == ["rank=0 world=2 node=0 sum=3", "rank=1 world=2 node=1 sum=3"], outs

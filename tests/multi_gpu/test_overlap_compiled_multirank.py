@@ -13,6 +13,7 @@ The claim is about compute on the host: the recorder's stamps are host-side, and
 when kernels are enqueued, not when the GPU computes (ddp/overlap/intervals.py). So the ranks run on
 gloo and the CPU even where GPUs are visible.
 """
+
 from __future__ import annotations
 
 import statistics

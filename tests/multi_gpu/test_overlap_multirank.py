@@ -1,5 +1,6 @@
 """The overlap recorder on real eager DDP with 2 ranks (gloo on CPU, nccl with 2 GPUs): buckets, bytes,
 timing order, gradients."""
+
 from __future__ import annotations
 
 import pytest

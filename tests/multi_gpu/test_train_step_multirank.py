@@ -4,6 +4,7 @@ AdamW + cosine schedule + accum_steps=2, 4 optimizer updates (8 micro-batches pe
 data on each rank): the parameters must equal an eager-DDP reference run in the same processes, be
 identical across ranks, and DDP must all-reduce once per update, not once per micro-batch.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,8 +47,9 @@ def _rank_fn(rank: int, world_size: int, backend: str):
     from compile_core.step import train_step
 
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
-    data = to_rank_device([(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g))
-                           for _ in range(ACCUM * UPDATES)])
+    data = to_rank_device(
+        [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(ACCUM * UPDATES)]
+    )
 
     model, opt, sched = _setup()
     initial = [p.detach().cpu().numpy().copy() for p in model.parameters()]
@@ -61,7 +63,7 @@ def _rank_fn(rank: int, world_size: int, backend: str):
     ref.register_comm_hook(ref_count, _counting_allreduce)
     for i, (x, y) in enumerate(data):
         last = (i + 1) % ACCUM == 0
-        with (ref.no_sync() if not last else torch.enable_grad()):
+        with ref.no_sync() if not last else torch.enable_grad():
             (F.mse_loss(ref(x), y) / ACCUM).backward()
         if last:
             ref_opt.step()
@@ -73,7 +75,7 @@ def _rank_fn(rank: int, world_size: int, backend: str):
         "params": [p.detach().cpu().numpy().copy() for p in model.parameters()],
         "ref_params": [p.detach().cpu().numpy().copy() for p in ref.parameters()],
         "initial": initial,
-        "losses": [float(l) for l in losses],
+        "losses": [float(v) for v in losses],
         "allreduces": count.calls,
         "ref_allreduces": ref_count.calls,
         "lr": float(opt.param_groups[0]["lr"]),
@@ -97,7 +99,10 @@ def test_adamw_cosine_accumulation_matches_eager_ddp_on_two_ranks():
         for i, (p, q) in enumerate(zip(r["params"], r["ref_params"])):
             np.testing.assert_allclose(p, q, rtol=1e-4, atol=1e-6, err_msg=f"rank {rank} param {i} vs eager DDP")
         # no_sync on the first micro-batch of each update: one round of all-reduces per update.
-        assert r["ref_allreduces"] > 0 and r["allreduces"] == r["ref_allreduces"], (r["allreduces"], r["ref_allreduces"])
+        assert r["ref_allreduces"] > 0 and r["allreduces"] == r["ref_allreduces"], (
+            r["allreduces"],
+            r["ref_allreduces"],
+        )
 
     # DDP keeps replicas identical; different data per rank means this is not trivially true.
     assert results[0]["losses"] != results[1]["losses"]

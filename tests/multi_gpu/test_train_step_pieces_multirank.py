@@ -7,6 +7,7 @@ runs 3 optimizer updates on rank-dependent data; the reference is a hand-written
 same process (no_sync for the first k-1 micro-batches, loss/k, clip_grad_norm_, step, zero_grad).
 All scenarios run in one 2-rank launch (module-scoped fixture); each test asserts on one entry.
 """
+
 from __future__ import annotations
 
 import collections
@@ -65,8 +66,9 @@ def _eager_loop(ddp: DDP, opt, data, *, accum: int, clip: float | None, autocast
     return losses, norms
 
 
-def _scenario(rank: int, *, opt: str, accum: int = 1, clip: float | None = None, autocast=None,
-              ddp_kwargs: dict | None = None) -> dict:
+def _scenario(
+    rank: int, *, opt: str, accum: int = 1, clip: float | None = None, autocast=None, ddp_kwargs: dict | None = None
+) -> dict:
     import compile_core
 
     torch.manual_seed(0)
@@ -76,8 +78,14 @@ def _scenario(rank: int, *, opt: str, accum: int = 1, clip: float | None = None,
     ours, theirs = wrap_ddp(model, **(ddp_kwargs or {})), wrap_ddp(ref, **(ddp_kwargs or {}))
     log = BucketLog(model).attach(ours)
     step = compile_core.train_step(
-        ours, OPTIMIZERS[opt](model.parameters()), F.mse_loss, backend="aot_eager", accum_steps=accum,
-        clip_grad_norm=clip, autocast=autocast, bucket_cap_mb=CAP_MB,
+        ours,
+        OPTIMIZERS[opt](model.parameters()),
+        F.mse_loss,
+        backend="aot_eager",
+        accum_steps=accum,
+        clip_grad_norm=clip,
+        autocast=autocast,
+        bucket_cap_mb=CAP_MB,
     )
     data = to_rank_device(make_data(rank, accum * UPDATES))
     losses, norms, applied = [], [], []
@@ -87,19 +95,33 @@ def _scenario(rank: int, *, opt: str, accum: int = 1, clip: float | None = None,
         applied.append(step.applied)
         if step.applied and clip is not None:
             norms.append(step.last_grad_norm.item())
-    ref_losses, ref_norms = _eager_loop(theirs, OPTIMIZERS[opt](ref.parameters()), data,
-                                        accum=accum, clip=clip, autocast=autocast)
+    ref_losses, ref_norms = _eager_loop(
+        theirs, OPTIMIZERS[opt](ref.parameters()), data, accum=accum, clip=clip, autocast=autocast
+    )
     out = {
-        "params": snapshot(model), "ref": snapshot(ref), "initial": initial,
-        "losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-        "applied": applied, "reduced": log.steps, "report": step.report().to_dict(),
+        "params": snapshot(model),
+        "ref": snapshot(ref),
+        "initial": initial,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "applied": applied,
+        "reduced": log.steps,
+        "report": step.report().to_dict(),
         "expected_reduced": sorted(n for n, _ in model.named_parameters()),
     }
     if autocast is not None:  # what the same loop gives in fp32: a lost autocast would end there
         fp32 = to_rank_device(make_model())
         fp32.load_state_dict(initial)
-        _eager_loop(wrap_ddp(fp32, **(ddp_kwargs or {})), OPTIMIZERS[opt](fp32.parameters()), data,
-                    accum=accum, clip=clip, autocast=None)
+        _eager_loop(
+            wrap_ddp(fp32, **(ddp_kwargs or {})),
+            OPTIMIZERS[opt](fp32.parameters()),
+            data,
+            accum=accum,
+            clip=clip,
+            autocast=None,
+        )
         out["fp32"] = snapshot(fp32)
     return out
 
@@ -112,7 +134,8 @@ SCENARIOS = {
     # accum 3: the swap happens before micro-batch 2, inside no_sync(), with gradients already
     # accumulated in DDP's bucket views
     "adamw_accum3_bucket_view": lambda rank: _scenario(
-        rank, opt="adamw", accum=3, ddp_kwargs={"gradient_as_bucket_view": True}),
+        rank, opt="adamw", accum=3, ddp_kwargs={"gradient_as_bucket_view": True}
+    ),
     "sgd_autocast_bf16": lambda rank: _scenario(rank, opt="sgd", autocast=torch.bfloat16),
 }
 
@@ -155,7 +178,7 @@ def _check_common(per_rank: list[dict], *, accum: int) -> None:
 
 
 def _check_clipping(per_rank: list[dict]) -> None:
-    for rank, r in enumerate(per_rank):
+    for _rank, r in enumerate(per_rank):
         assert len(r["ref_norms"]) == UPDATES and min(r["ref_norms"]) > CLIP, "the test must actually clip"
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(r["ref_norms"]), rtol=1e-5, atol=1e-6)
 

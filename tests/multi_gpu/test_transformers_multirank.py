@@ -4,6 +4,7 @@ on 2 ranks: split into several pieces, identical blocks compiled once (the defau
 Each model trains 3 SGD steps on rank-dependent data in the same processes as its eager DDP twin
 (tests/multi_gpu/ddp_compare.py); all scenarios run in one 2-rank launch.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -33,26 +34,83 @@ def _logits_loss(out) -> torch.Tensor:
 
 
 MODELS = {
-    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=3, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)), lambda r, s: (_tokens(r, s),)),
-    "llama": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=32)), lambda r, s: (_tokens(r, s),)),
-    "bert": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
-        lambda r, s: (_tokens(r, s),)),
-    "t5": (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, dropout_rate=0.0)),
-        lambda r, s: (_tokens(r, s), None, _tokens(r, s + 500, (2, 8)))),
-    "vit": (lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
-        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
-        intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
-        lambda r, s: (_images(r, s),)),
-    "resnet": (lambda: transformers.ResNetForImageClassification(transformers.ResNetConfig(
-        num_channels=3, embedding_size=16, hidden_sizes=[32, 64, 128], depths=[1, 1, 1], num_labels=5)),
-        lambda r, s: (_images(r, s),)),
+    "gpt2": (
+        lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=32,
+                n_embd=32,
+                n_layer=3,
+                n_head=2,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
+        lambda r, s: (_tokens(r, s),),
+    ),
+    "llama": (
+        lambda: transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=32,
+            )
+        ),
+        lambda r, s: (_tokens(r, s),),
+    ),
+    "bert": (
+        lambda: transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=32,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),
+        lambda r, s: (_tokens(r, s),),
+    ),
+    "t5": (
+        lambda: transformers.T5ForConditionalGeneration(
+            transformers.T5Config(
+                vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, dropout_rate=0.0
+            )
+        ),
+        lambda r, s: (_tokens(r, s), None, _tokens(r, s + 500, (2, 8))),
+    ),
+    "vit": (
+        lambda: transformers.ViTForImageClassification(
+            transformers.ViTConfig(
+                image_size=16,
+                patch_size=4,
+                num_channels=3,
+                hidden_size=32,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                intermediate_size=64,
+                num_labels=5,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),
+        lambda r, s: (_images(r, s),),
+    ),
+    "resnet": (
+        lambda: transformers.ResNetForImageClassification(
+            transformers.ResNetConfig(
+                num_channels=3, embedding_size=16, hidden_sizes=[32, 64, 128], depths=[1, 1, 1], num_labels=5
+            )
+        ),
+        lambda r, s: (_images(r, s),),
+    ),
 }
 
 
@@ -60,8 +118,13 @@ def _scenario(name: str):
     make_model, make_input = MODELS[name]
 
     def run(rank: int) -> dict:
-        return train_against_eager(make_model, lambda step: make_input(rank, step), loss_fn=_logits_loss,
-                                   ddp_kwargs={"bucket_cap_mb": CAP_MB}, backend="aot_eager")
+        return train_against_eager(
+            make_model,
+            lambda step: make_input(rank, step),
+            loss_fn=_logits_loss,
+            ddp_kwargs={"bucket_cap_mb": CAP_MB},
+            backend="aot_eager",
+        )
 
     return run
 
@@ -83,7 +146,9 @@ def test_model_family_trains_like_eager_ddp_in_pieces(results, name):
         assert sum(g["pieces"] for g in r["report"]["graphs"]) >= 3, r["report"]["graphs"]
         assert r["report"]["alignment"]["status"] == "aligned", r["report"]["alignment"]
         assert sorted({n for step in r["reduced"][1:] for _, names in step for n in names}) == r["expected_reduced"]
-    assert [g["buckets"] for g in per_rank[0]["report"]["graphs"]] == [g["buckets"] for g in per_rank[1]["report"]["graphs"]]
+    assert [g["buckets"] for g in per_rank[0]["report"]["graphs"]] == [
+        g["buckets"] for g in per_rank[1]["report"]["graphs"]
+    ]
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit"])

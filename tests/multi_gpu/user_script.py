@@ -13,6 +13,7 @@ compile_core, either
 and returns both runs' parameters, optimizer state and what compile_core reported. The data differ
 per rank, so a gradient that is not averaged over the ranks shows as a difference from the reference.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -155,8 +156,9 @@ def _train_step_loop(script: Script, ddp: DDP, data: list[Batch], kwargs: dict) 
     def loss_fn(out, target):
         return script.loss(out, target, module, index["i"])
 
-    step = compile_core.train_step(ddp, opt, loss_fn, accum_steps=script.accum, clip_grad_norm=script.clip,
-                                   lr_scheduler=sched, **kwargs)
+    step = compile_core.train_step(
+        ddp, opt, loss_fn, accum_steps=script.accum, clip_grad_norm=script.clip, lr_scheduler=sched, **kwargs
+    )
     losses, grads_after_update = [], []
     for i, (inputs, target) in enumerate(data):
         index["i"] = i
@@ -165,13 +167,20 @@ def _train_step_loop(script: Script, ddp: DDP, data: list[Batch], kwargs: dict) 
         losses.append(step(*inputs, target).item())
         if step.applied:
             grads_after_update.append(sorted(n for n, p in module.named_parameters() if p.grad is not None))
-    return {"opt": opt, "sched": sched, "losses": losses, "report": step.report().to_dict(),
-            "grads_after_update": grads_after_update}
+    return {
+        "opt": opt,
+        "sched": sched,
+        "losses": losses,
+        "report": step.report().to_dict(),
+        "grads_after_update": grads_after_update,
+    }
 
 
 def _state(opt: torch.optim.Optimizer) -> dict:
-    return {k: {n: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
-            for k, s in opt.state_dict()["state"].items()}
+    return {
+        k: {n: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+        for k, s in opt.state_dict()["state"].items()
+    }
 
 
 def run_against_eager(script: Script, rank: int, *, how: str = "compile", **kwargs: Any) -> dict:
@@ -186,9 +195,14 @@ def run_against_eager(script: Script, rank: int, *, how: str = "compile", **kwar
     eager = _eager_loop(script, theirs, data)
     cpu = lambda d: {n: t.cpu() for n, t in d.items()}  # noqa: E731
     out = {
-        "params": cpu(snapshot(model)), "ref": cpu(snapshot(ref)), "initial": cpu(initial),
-        "losses": run["losses"], "ref_losses": eager["losses"], "report": run["report"],
-        "state": _state(run["opt"]), "ref_state": _state(eager["opt"]),
+        "params": cpu(snapshot(model)),
+        "ref": cpu(snapshot(ref)),
+        "initial": cpu(initial),
+        "losses": run["losses"],
+        "ref_losses": eager["losses"],
+        "report": run["report"],
+        "state": _state(run["opt"]),
+        "ref_state": _state(eager["opt"]),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in run["opt"].param_groups],
         "grads_after_update": run.get("grads_after_update"),
     }
@@ -198,8 +212,15 @@ def run_against_eager(script: Script, rank: int, *, how: str = "compile", **kwar
     return out
 
 
-def assert_like_eager(per_rank: list[dict], *, rtol: float = 1e-5, atol: float = 1e-6,
-                      not_reduced: tuple[str, ...] = (), state: bool = True, update_rtol: float | None = None) -> None:
+def assert_like_eager(
+    per_rank: list[dict],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    not_reduced: tuple[str, ...] = (),
+    state: bool = True,
+    update_rtol: float | None = None,
+) -> None:
     """Parameters (and optimizer state) equal the eager script's on every rank; the data differed per
     rank, training moved the parameters, and DDP-reduced parameters are identical across ranks.
 
@@ -214,19 +235,30 @@ def assert_like_eager(per_rank: list[dict], *, rtol: float = 1e-5, atol: float =
             state = False
         else:
             for name, p in r["params"].items():
-                torch.testing.assert_close(p, r["ref"][name], rtol=rtol, atol=atol,
-                                           msg=lambda m: f"rank {rank} {name} vs the eager script: {m}")
+                torch.testing.assert_close(
+                    p,
+                    r["ref"][name],
+                    rtol=rtol,
+                    atol=atol,
+                    msg=lambda m: f"rank {rank} {name} vs the eager script: {m}",
+                )
         moved = max((r["ref"][n] - r["initial"][n]).abs().max().item() for n in r["ref"])
         assert moved > 100 * atol, f"rank {rank}: training barely moved the parameters ({moved:.2e})"
         if state:
             assert sorted(r["state"]) == sorted(r["ref_state"]), f"rank {rank}: optimizer state keys differ"
             for k, s in r["ref_state"].items():
                 for key, value in s.items():
-                    torch.testing.assert_close(torch.as_tensor(r["state"][k][key]).double(),
-                                               torch.as_tensor(value).double(), rtol=rtol * 10, atol=atol * 10,
-                                               msg=lambda m: f"rank {rank} optimizer state {k}.{key}: {m}")
+                    torch.testing.assert_close(
+                        torch.as_tensor(r["state"][k][key]).double(),
+                        torch.as_tensor(value).double(),
+                        rtol=rtol * 10,
+                        atol=atol * 10,
+                        msg=lambda m: f"rank {rank} optimizer state {k}.{key}: {m}",
+                    )
     r0, r1 = per_rank[0], per_rank[1]
-    assert r0["ref_losses"][0] != r1["ref_losses"][0], "both ranks saw the same data: a missing reduction would not show"
+    assert r0["ref_losses"][0] != r1["ref_losses"][0], (
+        "both ranks saw the same data: a missing reduction would not show"
+    )
     for name in r0["params"]:
         if name not in not_reduced:
             assert torch.equal(r0["params"][name], r1["params"][name]), f"{name} differs between ranks"

@@ -1,4 +1,5 @@
 """Shared by the single-process DDP tests: train compiled DDP and eager DDP side by side."""
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,19 @@ def mlp(n: int = 3, width: int = 256) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-def run_against_eager(make_model, make_input, *, steps=2, ddp_kwargs=None, ignore=(), rtol=1e-4, atol=1e-5,
-                      observe=False, with_ref=False, **compile_kwargs):
+def run_against_eager(
+    make_model,
+    make_input,
+    *,
+    steps=2,
+    ddp_kwargs=None,
+    ignore=(),
+    rtol=1e-4,
+    atol=1e-5,
+    observe=False,
+    with_ref=False,
+    **compile_kwargs,
+):
     """Train `steps` SGD steps with compiled DDP and eager DDP from the same weights; compare everything.
 
     observe=True attaches `ddp.overlap.OverlapRecorder` before compiling, so the report's

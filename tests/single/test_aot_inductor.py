@@ -1,4 +1,5 @@
 """`aot` and `inductor` on their own: no DDP, no process group."""
+
 from __future__ import annotations
 
 import pytest
@@ -65,7 +66,11 @@ def test_inductor_compiles_forward_and_backward_and_reports_each_graph():
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"mode": "fastest"}, "mode='fastest'"), ({"options": {"not_an_option": 1}}, "not_an_option"), ({"options": [1]}, "dict")],
+    [
+        ({"mode": "fastest"}, "mode='fastest'"),
+        ({"options": {"not_an_option": 1}}, "not_an_option"),
+        ({"options": [1]}, "dict"),
+    ],
 )
 def test_inductor_settings_reject_bad_input(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):

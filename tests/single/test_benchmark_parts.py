@@ -1,6 +1,7 @@
 """Pure parts of `python -m benchmarks` (no rank processes): first-step breakdown, profiler overlap math,
 memory high-water mark, configuration and CLI plumbing, dependency check, aggregation and tables; plus
 canaries for the torch timers, counters and profiler events they read."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,14 @@ import pytest
 def _timers(**kw: float) -> dict[str, float]:
     from benchmarks import breakdown as b
 
-    names = {"frame": b.FRAME, "backend": b.BACKEND, "lazy": b.LAZY_BACKWARD, "inductor": b.INDUCTOR,
-             "load": b.INDUCTOR_LOAD, "cpp": b.CPP}
+    names = {
+        "frame": b.FRAME,
+        "backend": b.BACKEND,
+        "lazy": b.LAZY_BACKWARD,
+        "inductor": b.INDUCTOR,
+        "load": b.INDUCTOR_LOAD,
+        "cpp": b.CPP,
+    }
     return {names[k]: v for k, v in kw.items()}
 
 
@@ -25,15 +32,25 @@ def test_breakdown_phases_add_up_to_the_wall_time():
     # a frame of 10 s whose backend took 8 s (Inductor 6 s of it, 4 s C++), then a lazy backward of 3 s
     # with 2 s of Inductor: Dynamo 2, AOT 8 + 3 - 8 = 3, Inductor 8 - 4 = 4, C++ 4, other 14 - 13 = 1
     timers = _timers(frame=10.0, backend=8.0, lazy=3.0, inductor=8.0, cpp=4.0)
-    counters = {"inductor": {"fxgraph_cache_miss": 2}, "aot_autograd": {"autograd_cache_miss": 1,
-                "autograd_cache_guard_miss": 1}, "stats": {"unique_graphs": 1}, "frames": {"total": 3}}
+    counters = {
+        "inductor": {"fxgraph_cache_miss": 2},
+        "aot_autograd": {"autograd_cache_miss": 1, "autograd_cache_guard_miss": 1},
+        "stats": {"unique_graphs": 1},
+        "frames": {"total": 3},
+    }
     got = breakdown(14.0, timers, counters)
     assert got["compile_s"] == 13.0
     assert (got["dynamo_s"], got["aot_s"], got["inductor_s"], got["cpp_compile_s"], got["other_s"]) == (2, 3, 4, 4, 1)
     parts = got["dynamo_s"] + got["aot_s"] + got["inductor_s"] + got["cpp_compile_s"] + got["other_s"]
     assert parts == pytest.approx(got["wall_s"])
-    assert got["cache"] == {"fxgraph_hit": 0, "fxgraph_miss": 2, "fxgraph_bypass": 0, "aot_hit": 0, "aot_miss": 2,
-                            "aot_bypass": 0}
+    assert got["cache"] == {
+        "fxgraph_hit": 0,
+        "fxgraph_miss": 2,
+        "fxgraph_bypass": 0,
+        "aot_hit": 0,
+        "aot_miss": 2,
+        "aot_bypass": 0,
+    }
     assert (got["graphs"], got["frames"]) == (1, 3)
     json.dumps(got)  # JSON-ready
 
@@ -53,8 +70,13 @@ def test_breakdown_of_a_warm_cache_counts_inductor_loads_and_never_goes_negative
 def test_summarize_steps_flags_compiles_after_the_warmup():
     from benchmarks.breakdown import breakdown, summarize_steps
 
-    steps = [breakdown(5.0, _timers(frame=4.0, backend=3.0), {}), breakdown(2.0, _timers(frame=1.5), {}),
-             breakdown(0.1, {}, {}), breakdown(0.1, {}, {}), breakdown(0.9, _timers(lazy=0.8), {})]
+    steps = [
+        breakdown(5.0, _timers(frame=4.0, backend=3.0), {}),
+        breakdown(2.0, _timers(frame=1.5), {}),
+        breakdown(0.1, {}, {}),
+        breakdown(0.1, {}, {}),
+        breakdown(0.9, _timers(lazy=0.8), {}),
+    ]
     got = summarize_steps(steps, warmup=2)
     assert got["first_step"]["compile_s"] == 4.0
     assert got["later_warmup_compile_s"] == 1.5
@@ -102,18 +124,22 @@ def _step_events(offset: float = 0.0) -> list:
     return [
         _ev("bench::step", o + 0, o + 1500),
         _ev("autograd::engine::evaluate_function: MmBackward0", o + 100, o + 200),
-        _ev("c10d::allreduce_", o + 300, o + 310), _ev("gloo:all_reduce", o + 320, o + 700, thread=2),
-        _ev("c10d::allreduce_", o + 600, o + 610), _ev("gloo:all_reduce", o + 700, o + 900, thread=3),
-        _ev("c10d::allreduce_", o + 1000, o + 1010), _ev("gloo:all_reduce", o + 1010, o + 1400, thread=2),
-        _ev("[memory]", o + 150, o + 150, nbytes=4000), _ev("[memory]", o + 400, o + 400, nbytes=6000),
-        _ev("[memory]", o + 800, o + 800, nbytes=-8000), _ev("[memory]", o + 1200, o + 1200, nbytes=1000),
+        _ev("c10d::allreduce_", o + 300, o + 310),
+        _ev("gloo:all_reduce", o + 320, o + 700, thread=2),
+        _ev("c10d::allreduce_", o + 600, o + 610),
+        _ev("gloo:all_reduce", o + 700, o + 900, thread=3),
+        _ev("c10d::allreduce_", o + 1000, o + 1010),
+        _ev("gloo:all_reduce", o + 1010, o + 1400, thread=2),
+        _ev("[memory]", o + 150, o + 150, nbytes=4000),
+        _ev("[memory]", o + 400, o + 400, nbytes=6000),
+        _ev("[memory]", o + 800, o + 800, nbytes=-8000),
+        _ev("[memory]", o + 1200, o + 1200, nbytes=1000),
     ]
 
 
 def test_profiler_overlap_matches_the_recorders_definition_on_a_synthetic_step():
-    from ddp.overlap.intervals import overlap_stats
-
     from benchmarks.profile_overlap import summarize
+    from ddp.overlap.intervals import overlap_stats
 
     got = summarize(_step_events())
     # comm = [300,700] U [600,900] U [1000,1400] = 600+400 = 1000 us; window [100, 1000]; hidden 600
@@ -274,9 +300,15 @@ def test_cli_presets_pick_workloads_caps_and_optimizers():
 # Parameter counts of the models each preset built when every caller still declared its own shape
 # (examples/train_gpt.py, the integration examples, benchmarks/config.py): the presets must build the same.
 PARAMS_BEFORE_PRESETS = {
-    ("full", "compute"): 13_842_432, ("full", "comm"): 13_817_856, ("full", "compile"): 11_591_168,
-    ("quick", "compute"): 929_280, ("quick", "comm"): 925_184, ("quick", "compile"): 11_591_168,
-    ("smoke", "compute"): 929_280, ("smoke", "comm"): 925_184, ("smoke", "compile"): 929_280,
+    ("full", "compute"): 13_842_432,
+    ("full", "comm"): 13_817_856,
+    ("full", "compile"): 11_591_168,
+    ("quick", "compute"): 929_280,
+    ("quick", "comm"): 925_184,
+    ("quick", "compile"): 11_591_168,
+    ("smoke", "compute"): 929_280,
+    ("smoke", "comm"): 925_184,
+    ("smoke", "compile"): 929_280,
 }
 
 
@@ -296,8 +328,11 @@ def test_workloads_and_examples_build_the_models_they_built_before_the_presets()
     from benchmarks.suite import _worker_spec
     from examples.gpt import GPT_PRESETS, GPTConfig
 
-    for preset, argv in (("full", ()), ("quick", ("--quick", "--workloads", "compute,comm,compile")),
-                         ("smoke", ("--smoke",))):
+    for preset, argv in (
+        ("full", ()),
+        ("quick", ("--quick", "--workloads", "compute,comm,compile")),
+        ("smoke", ("--smoke",)),
+    ):
         cfg = _cfg(*argv)
         for w in cfg.workloads:
             spec = _worker_spec(cfg, w, "eager", steps=1, record_overlap=False, timeline_png=None)
@@ -327,8 +362,19 @@ def test_workloads_read_back_from_results_json_old_and_new():
     recorded = json.loads(json.dumps(cfg.to_dict()))
     assert tuple(Workload.from_dict(w) for w in recorded["workloads"]) == cfg.workloads
     # runs before the presets recorded the model's shape flat in each workload
-    old = {"name": "comm", "vocab_size": 4096, "d_model": 384, "n_layers": 6, "n_heads": 6, "batch": 2, "seq_len": 64,
-           "bucket_cap_mb": 4.0, "scaling": True, "overlap": True, "purpose": "p"}
+    old = {
+        "name": "comm",
+        "vocab_size": 4096,
+        "d_model": 384,
+        "n_layers": 6,
+        "n_heads": 6,
+        "batch": 2,
+        "seq_len": 64,
+        "bucket_cap_mb": 4.0,
+        "scaling": True,
+        "overlap": True,
+        "purpose": "p",
+    }
     w = Workload.from_dict(old)
     assert w.model == GPT_PRESETS["bench"] and (w.batch, w.seq_len, w.bucket_cap_mb) == (2, 64, 4.0)
     assert w.gpt() == dataclasses.replace(GPT_PRESETS["bench"], max_seq_len=64)
@@ -380,9 +426,20 @@ def _rank(first: float, compile_s: float, **extra) -> dict:
     from benchmarks.breakdown import breakdown
 
     b = breakdown(first, {"_compile.compile_inner": compile_s}, {})
-    return {"ok": True, "median_step_ms": 10.0, "first_step_s": first, "peak_rss_mb": 500.0, "final_loss": 2.0,
-            "compile": {"first_step": b, "later_warmup_compile_s": 0.0, "timed_compile_s": 0.0,
-                        "timed_steps_with_compile": []}, **extra}
+    return {
+        "ok": True,
+        "median_step_ms": 10.0,
+        "first_step_s": first,
+        "peak_rss_mb": 500.0,
+        "final_loss": 2.0,
+        "compile": {
+            "first_step": b,
+            "later_warmup_compile_s": 0.0,
+            "timed_compile_s": 0.0,
+            "timed_steps_with_compile": [],
+        },
+        **extra,
+    }
 
 
 def _job(job_id: str, kind: str, mode: str, ranks: list) -> dict:
@@ -392,9 +449,11 @@ def _job(job_id: str, kind: str, mode: str, ranks: list) -> dict:
 def test_first_step_breakdown_is_the_median_jobs_slowest_rank():
     from benchmarks.aggregate import first_step_breakdown
 
-    jobs = [_job("a", "warm", "m", [_rank(1.0, 0.5), _rank(3.0, 2.0)]),
-            _job("b", "warm", "m", [_rank(9.0, 8.0), _rank(2.0, 1.0)]),
-            _job("c", "warm", "m", [_rank(5.0, 4.0), _rank(4.0, 1.0)])]
+    jobs = [
+        _job("a", "warm", "m", [_rank(1.0, 0.5), _rank(3.0, 2.0)]),
+        _job("b", "warm", "m", [_rank(9.0, 8.0), _rank(2.0, 1.0)]),
+        _job("c", "warm", "m", [_rank(5.0, 4.0), _rank(4.0, 1.0)]),
+    ]
     got = first_step_breakdown(jobs)
     assert (got["job_id"], got["rank"], got["wall_s"], got["compile_s"], got["jobs"]) == ("c", 0, 5.0, 4.0, 3)
     assert first_step_breakdown([_job("old", "warm", "m", [{"first_step_s": 1.0}])]) is None  # older results
@@ -408,9 +467,15 @@ def test_aggregate_and_tables_show_breakdown_memory_profiler_and_ratios():
     jobs = [
         _job("t_cold", "cold", "torch_savvy", [_rank(20.0, 19.0), _rank(21.0, 19.5)]),
         _job("t_warm", "warm", "torch_savvy", [_rank(6.0, 5.0), _rank(6.5, 5.0)]),
-        _job("o_cold", "cold", "ours_step_in_backward",
-             [_rank(8.0, 7.0, steady_peak_rss_mb=400.0, profile=prof),
-              _rank(9.0, 7.5, steady_peak_rss_mb=410.0, profile=prof)]),
+        _job(
+            "o_cold",
+            "cold",
+            "ours_step_in_backward",
+            [
+                _rank(8.0, 7.0, steady_peak_rss_mb=400.0, profile=prof),
+                _rank(9.0, 7.5, steady_peak_rss_mb=410.0, profile=prof),
+            ],
+        ),
         _job("o_warm", "warm", "ours_step_in_backward", [_rank(2.0, 1.0), _rank(3.0, 1.0)]),
     ]
     modes = {m: aggregate_mode(jobs, m) for m in ("torch_savvy", "ours_step_in_backward")}
@@ -422,9 +487,20 @@ def test_aggregate_and_tables_show_breakdown_memory_profiler_and_ratios():
     assert row["peer"] == "torch_savvy" and row["first_step_cold_vs_peer"] == pytest.approx(9.0 / 21.0)
     assert row["first_step_warm_vs_peer"] == pytest.approx(3.0 / 6.5) and row["step_ms_vs_best_torch"] == 1.0
     assert row["warmup_compile_cold_vs_peer"] == pytest.approx(7.5 / 19.5)  # the slowest ranks' compile seconds
-    data = {"description": "d", "purpose": "p", "modes": modes, "comparisons": [row],
-            "loss_agreement": {"ok": True, "tolerance": 0.1, "reference": "torch_savvy", "reference_loss": 2.0,
-                               "disagree": [], "unstable": []}}
+    data = {
+        "description": "d",
+        "purpose": "p",
+        "modes": modes,
+        "comparisons": [row],
+        "loss_agreement": {
+            "ok": True,
+            "tolerance": 0.1,
+            "reference": "torch_savvy",
+            "reference_loss": 2.0,
+            "disagree": [],
+            "unstable": [],
+        },
+    }
     text = markdown_table({"workloads": {"w": data}}, "w")
     assert "| ours_step_in_backward | cold | 9.00 | 7.50 |" in text  # breakdown row: slowest rank of the cold job
     assert "400/410" in text and "12.5/12.5" in text and "| 0.43 | 0.46 | 0.38 |" in text
@@ -454,9 +530,14 @@ def test_comm_hidden_is_the_share_of_comm_only_the_mode_did_not_add_and_is_clamp
 def test_bracket_gives_every_other_finished_mode_its_overhead_and_comm_hidden():
     from benchmarks.bracket import bracket
 
-    modes = {"floor": _timed(200.0), "comm_only": _timed(50.0), "eager": _timed(240.0),
-             "ours_step": _timed(210.0), "torch_savvy": _timed(300.0),
-             "ours_in_graph": {"status": "failed", "error": "boom"}}
+    modes = {
+        "floor": _timed(200.0),
+        "comm_only": _timed(50.0),
+        "eager": _timed(240.0),
+        "ours_step": _timed(210.0),
+        "torch_savvy": _timed(300.0),
+        "ours_in_graph": {"status": "failed", "error": "boom"},
+    }
     b = bracket(modes)
     assert (b["floor_ms"], b["comm_only_ms"], b["upper_ms"], b["missing"]) == (200.0, 50.0, 250.0, [])
     assert set(b["modes"]) == {"eager", "ours_step", "torch_savvy"}  # not the bracket, not the failed mode
@@ -477,8 +558,9 @@ def test_bracket_without_comm_only_still_gives_overhead_and_says_what_is_missing
         over_floor_cell,
     )
 
-    b = bracket({"floor": _timed(100.0), "comm_only": {"status": "failed", "error": "timed out"},
-                 "eager": _timed(130.0)})
+    b = bracket(
+        {"floor": _timed(100.0), "comm_only": {"status": "failed", "error": "timed out"}, "eager": _timed(130.0)}
+    )
     assert b["upper_ms"] is None and b["missing"] == ["comm_only failed: timed out"]
     assert b["modes"]["eager"] == {"over_floor_ms": pytest.approx(30.0), "over_floor_pct": pytest.approx(30.0)}
     assert over_floor_cell(b, "eager") == "+30.0 (+30%)" and comm_hidden_cell(b, "eager") == "-"
@@ -496,8 +578,15 @@ def test_bracket_cells_and_line_name_the_clamped_side():
         over_floor_cell,
     )
 
-    b = bracket({"floor": _timed(100.0), "comm_only": _timed(20.0), "slow": _timed(150.0), "fast": _timed(95.0),
-                 "mid": _timed(110.0)})
+    b = bracket(
+        {
+            "floor": _timed(100.0),
+            "comm_only": _timed(20.0),
+            "slow": _timed(150.0),
+            "fast": _timed(95.0),
+            "mid": _timed(110.0),
+        }
+    )
     assert comm_hidden_cell(b, "mid") == "50"
     assert comm_hidden_cell(b, "slow") == "0 (raw -150: slower than floor + comm_only)"
     assert comm_hidden_cell(b, "fast") == "100 (raw 125: faster than floor)"
@@ -512,13 +601,20 @@ def _fingerprint(deltas: dict) -> dict:
 
     from benchmarks.checksum import param_checksum
 
-    return param_checksum({n: torch.tensor(v) for n, v in deltas.items()},
-                          {n: torch.zeros(len(v)) for n, v in deltas.items()})
+    return param_checksum(
+        {n: torch.tensor(v) for n, v in deltas.items()}, {n: torch.zeros(len(v)) for n, v in deltas.items()}
+    )
 
 
 def _fingerprinted(checksum, *, loss=2.0, ranks=0.0) -> dict:
-    return {"status": "ok", "final_loss": loss, "final_loss_jobs": [loss], "param_checksum": checksum,
-            "rank_param_distance": ranks, "param_checksum_jobs": [checksum]}
+    return {
+        "status": "ok",
+        "final_loss": loss,
+        "final_loss_jobs": [loss],
+        "param_checksum": checksum,
+        "rank_param_distance": ranks,
+        "param_checksum_jobs": [checksum],
+    }
 
 
 def test_the_gates_exempt_the_bracket_modes_and_the_tables_label_them():
@@ -529,10 +625,12 @@ def test_the_gates_exempt_the_bracket_modes_and_the_tables_label_them():
     good = _fingerprint({"w": [1.0, -2.0, 0.5]})
     own = _fingerprint({"w": [1.3, -1.6, 0.2]})  # floor: each rank followed its own gradient
     still = _fingerprint({"w": [0.0, 0.0, 0.0]})  # comm_only: trains nothing
-    modes = {"floor": {**_fingerprinted(own, loss=2.4, ranks=0.5), "step_ms": 90.0},
-             "comm_only": {**_fingerprinted(still, loss=0.0), "step_ms": 20.0},
-             "eager": {**_fingerprinted(good), "step_ms": 100.0},
-             "ours_step": {**_fingerprinted(good), "step_ms": 95.0}}
+    modes = {
+        "floor": {**_fingerprinted(own, loss=2.4, ranks=0.5), "step_ms": 90.0},
+        "comm_only": {**_fingerprinted(still, loss=0.0), "step_ms": 20.0},
+        "eager": {**_fingerprinted(good), "step_ms": 100.0},
+        "ours_step": {**_fingerprinted(good), "step_ms": 95.0},
+    }
     loss = loss_agreement(modes, rtol=1e-3, atol=1e-4)
     params = param_agreement(modes, rtol=1e-5)
     assert loss["ok"] and params["ok"] and loss["exempt"] == params["exempt"] == ["floor", "comm_only"]
@@ -543,10 +641,21 @@ def test_the_gates_exempt_the_bracket_modes_and_the_tables_label_them():
     assert param_agreement(gated, rtol=1e-5)["ok"] is False
 
     for a in modes.values():
-        a.update(step_ms_min=a["step_ms"], step_ms_max=a["step_ms"], pieces=None, first_step_s_warm=1.0,
-                 first_step_s_cold=None, first_step_s_smoke=None)
-    data = {"description": "d", "modes": modes, "loss_agreement": loss, "param_agreement": params,
-            "bracket": bracket(modes)}
+        a.update(
+            step_ms_min=a["step_ms"],
+            step_ms_max=a["step_ms"],
+            pieces=None,
+            first_step_s_warm=1.0,
+            first_step_s_cold=None,
+            first_step_s_smoke=None,
+        )
+    data = {
+        "description": "d",
+        "modes": modes,
+        "loss_agreement": loss,
+        "param_agreement": params,
+        "bracket": bracket(modes),
+    }
     text = markdown_table({"workloads": {"w": data}}, "w")
     assert "| floor | ok (bracket, not gated) | - | 90.0 | 90.0-90.0 | bracket | bracket |" in text
     assert "| comm_only | ok (bracket, not gated) |" in text and "n/a (no training)" in text
@@ -564,8 +673,12 @@ def test_param_gate_loosened_for_16_bit_reductions_only_and_says_so():
     ref = _fingerprint({"w": [1.0, -2.0, 0.5]})
     bf16 = _fingerprint({"w": [1.0, -2.0, 0.5 + 2e-3]})  # a 16-bit all-reduce lands ~1e-3 away
     modes = {"eager": _fingerprinted(ref), "ours_in_graph": _fingerprinted(bf16), "ours_compile": _fingerprinted(bf16)}
-    cfg = BenchConfig(workloads=(Workload(name="w"),), backend="aot_eager", reduce_dtype="bf16",
-                      modes=("eager", "ours_compile", "ours_in_graph"))
+    cfg = BenchConfig(
+        workloads=(Workload(name="w"),),
+        backend="aot_eager",
+        reduce_dtype="bf16",
+        modes=("eager", "ours_compile", "ours_in_graph"),
+    )
     assert cfg.param_tolerances() == {"ours_in_graph": 3e-2}
     got = param_agreement(modes, rtol=cfg.param_tolerance(), rtol_by_mode=cfg.param_tolerances(), loosened_because="x")
     # ours_compile reduces in fp32: the same distance fails it
@@ -592,8 +705,9 @@ def test_new_flags_reach_the_config_and_every_job():
         jobs = list(plan_round(cfg, 1, caches))
     finally:
         caches.cleanup()
-    assert all((j.worker["comm_hook"], j.worker["link_gbit"], j.worker["reduce_dtype"]) == ("fp16", 2.5, None)
-               for j in jobs)
+    assert all(
+        (j.worker["comm_hook"], j.worker["link_gbit"], j.worker["reduce_dtype"]) == ("fp16", 2.5, None) for j in jobs
+    )
     with pytest.raises(SystemExit):  # argparse: bf16_compress_hook is not offered (DDP refuses it on CPU)
         _cfg("--comm-hook", "bf16")
 
@@ -659,8 +773,7 @@ def test_link_check_names_every_missing_tool_and_root_in_one_line(tmp_path):
     from benchmarks.link import LinkShape, unavailable_reason
 
     shape = LinkShape(rate_gbit=5)
-    msg = unavailable_reason(shape, path=_fake_tools(tmp_path / "bin", ip="exit 0", sh='exec /bin/sh "$@"'),
-                             euid=1000)
+    msg = unavailable_reason(shape, path=_fake_tools(tmp_path / "bin", ip="exit 0", sh='exec /bin/sh "$@"'), euid=1000)
     assert msg.startswith("--link-gbit 5 cannot shape the link: not on PATH: unshare, nsenter, tc ")
     assert "not running as root (euid 1000)" in msg and "drop --link-gbit" in msg and "\n" not in msg
     assert "ip," not in msg.split("cannot shape the link:")[1].split("(")[0]  # ip was found
@@ -672,8 +785,14 @@ def test_link_check_runs_a_trial_namespace_and_reports_why_it_failed(tmp_path):
     from benchmarks.link import LinkShape, unavailable_reason
 
     # every tool there, but unshare is refused (as in an unprivileged container): the trial says why
-    path = _fake_tools(tmp_path / "bin", unshare="echo 'unshare: unshare failed: Operation not permitted' >&2; exit 1",
-                       nsenter="exit 0", ip="exit 0", tc="exit 0", sh='exec /bin/sh "$@"')
+    path = _fake_tools(
+        tmp_path / "bin",
+        unshare="echo 'unshare: unshare failed: Operation not permitted' >&2; exit 1",
+        nsenter="exit 0",
+        ip="exit 0",
+        tc="exit 0",
+        sh='exec /bin/sh "$@"',
+    )
     msg = unavailable_reason(LinkShape(rate_gbit=5), path=path, euid=0)
     assert "the trial namespace failed" in msg and "Operation not permitted" in msg and "code 1" in msg
 
@@ -700,8 +819,9 @@ def test_shaped_namespace_shapes_lo_and_leaves_nothing_behind():
     if why:
         pytest.skip(f"needs root, unshare, nsenter, ip and tc: {why}")
     with ShapedNamespace(shape) as ns:
-        inside = subprocess.run([*ns.prefix(), "tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True,
-                                check=True).stdout
+        inside = subprocess.run(
+            [*ns.prefix(), "tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True, check=True
+        ).stdout
         links = subprocess.run([*ns.prefix(), "ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
         holder = ns.prefix()[1].split("/")[2]
     assert "tbf" in inside and "rate 5Gbit" in inside

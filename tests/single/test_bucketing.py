@@ -1,4 +1,5 @@
 """The pure bucket planner: no process group, graphs captured by Dynamo or built by hand."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,7 +31,7 @@ def capture(module: nn.Module, *inputs: torch.Tensor):
 
 def mlp(n: int = 3, width: int = 256) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for i in range(n):
+    for _i in range(n):
         layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
@@ -42,7 +43,9 @@ def test_mlp_one_bucket_per_layer_in_backward_order():
     gm, table = capture(mlp(), torch.randn(2, 256))
     plan = plan_buckets(gm.graph, table, bucket_cap_bytes=int(0.25 * MiB))
     assert [b.params for b in plan.buckets] == [
-        ("4.weight", "4.bias"), ("2.weight", "2.bias"), ("0.weight", "0.bias"),
+        ("4.weight", "4.bias"),
+        ("2.weight", "2.bias"),
+        ("0.weight", "0.bias"),
     ]
     assert [b.nbytes for b in plan.buckets] == [LAYER] * 3
     assert plan.num_pieces == 3

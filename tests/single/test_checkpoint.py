@@ -1,5 +1,6 @@
 """The demo's checkpoints (examples/checkpoint.py): written whole or not at all; a torn or partial one is
 reported and never loaded."""
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,17 @@ def test_latest_is_the_newest_complete_one_and_older_ones_are_pruned(tmp_path):
     found = checkpoint.latest(str(tmp_path))
     assert (found.step, found.skipped) == (9, ())
     assert torch.equal(checkpoint.load(found.path)["model"]["w"], torch.full((4,), 9.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000006.done", "step_00000006.pt",
-                                                          "step_00000009.done", "step_00000009.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000006.done",
+        "step_00000006.pt",
+        "step_00000009.done",
+        "step_00000009.pt",
+    ]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "no marker", "marker for other bytes", "only a temp file",
-                                    "garbage marker"])
+@pytest.mark.parametrize(
+    "damage", ["truncated", "no marker", "marker for other bytes", "only a temp file", "garbage marker"]
+)
 def test_a_torn_checkpoint_is_skipped_with_a_reason_and_never_loaded(tmp_path, damage):
     checkpoint.save(str(tmp_path), 3, state(3))
     checkpoint.save(str(tmp_path), 6, state(6))

@@ -1,4 +1,5 @@
 """Compile claims between processes (compile_core/reuse/claims.py): no compiler, plain processes and files."""
+
 from __future__ import annotations
 
 import subprocess
@@ -33,8 +34,17 @@ claim.release()
 def _start_holder(tmp_path, how: str, seconds: float) -> subprocess.Popen:
     # A bare interpreter loading only claims.py (no torch): it claims within a fraction of a second.
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(REPO / "compile_core" / "reuse" / "claims.py"), str(tmp_path), how, str(seconds)],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            HOLDER,
+            str(REPO / "compile_core" / "reuse" / "claims.py"),
+            str(tmp_path),
+            how,
+            str(seconds),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout.readline().strip() == "claimed", "the holder never claimed"
     return proc

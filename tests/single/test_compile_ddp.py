@@ -1,4 +1,5 @@
 """compile_core.compile on real DDP (world size 1, gloo), compared with eager DDP."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,9 @@ def test_mlp_splits_into_three_pieces_and_matches_eager(backend, tmp_path, monke
     assert "3 piece(s)" in table and "4.weight, 4.bias" in table and "0.251 MiB" in table
     assert [g["pieces"] for g in report["graphs"]] == [3]
     assert [b["params"] for b in report["graphs"][0]["buckets"]] == [
-        ["4.weight", "4.bias"], ["2.weight", "2.bias"], ["0.weight", "0.bias"]
+        ["4.weight", "4.bias"],
+        ["2.weight", "2.bias"],
+        ["0.weight", "0.bias"],
     ]
     assert all(b["bytes"] == 256 * 257 * 4 for b in report["graphs"][0]["buckets"])
     # (that DDP really reduces these buckets: test_report_confirms_pieces_against_the_buckets_ddp_really_reduced)
@@ -310,8 +313,9 @@ def test_model_that_is_not_a_module():
     ids=["gradient_as_bucket_view", "find_unused_parameters"],
 )
 def test_reducer_options_survive_alignment(ddp_kwargs):
-    _, report = run_against_eager(mlp, x256, steps=3, backend="aot_eager", bucket_cap_mb=0.25, ddp_kwargs=ddp_kwargs,
-                                  observe=True)
+    _, report = run_against_eager(
+        mlp, x256, steps=3, backend="aot_eager", bucket_cap_mb=0.25, ddp_kwargs=ddp_kwargs, observe=True
+    )
     assert report["observed_alignment"]["ok"], report["observed_alignment"]["text"]
     assert len(report["observed_alignment"]["buckets"]) == 3
 

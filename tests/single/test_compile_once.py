@@ -1,4 +1,5 @@
 """Compile once in one process: structural keys, identical pieces reused, layouts kept between pieces."""
+
 from __future__ import annotations
 
 import pytest
@@ -102,8 +103,9 @@ def test_a_piece_whose_compiled_outputs_change_layout_is_copied_back():
         return out
 
     graphs = []
-    config = SplitterConfig(bucket_cap_bytes=1, first_bucket_cap_bytes=1,
-                            param_names={id(p): n for n, p in model.named_parameters()})
+    config = SplitterConfig(
+        bucket_cap_bytes=1, first_bucket_cap_bytes=1, param_names={id(p): n for n, p in model.named_parameters()}
+    )
     fn = torch._dynamo.optimize(DDPSplitter(config, column_major, graphs.append, compile_pieces=checking))(model)
     out = fn(torch.ones(8, 16))
     torch.testing.assert_close(out, ref_out)
@@ -114,6 +116,7 @@ def test_a_piece_whose_compiled_outputs_change_layout_is_copied_back():
 
 def test_pytorch_ddp_optimizer_pieces_are_never_reused():
     """ddp='torch': DDPOptimizer runs each piece's callable once on fakes; a shared one would break."""
+
     def make():
         return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.ReLU())])  # 1 MiB layers
 

@@ -1,5 +1,6 @@
 """Cases PyTorch's own DDPOptimizer tests and user reports exercise: strides, layouts, unbacked sizes,
 parameters used through methods. World size 1 (gloo); compared with eager DDP."""
+
 from __future__ import annotations
 
 import pytest
@@ -146,7 +147,9 @@ def test_buckets_never_mix_dtypes():
     assert not torch.allclose(bf16(x16(0)), fp32(x16(0)), rtol=1e-4, atol=1e-5), "bf16 made no difference"
     # one 25 MiB-style cap would hold all three layers; the bf16 layer forces cuts on both sides
     assert [b["params"] for b in report["graphs"][0]["buckets"]] == [
-        ["c.weight", "c.bias"], ["b.weight", "b.bias"], ["a.weight", "a.bias"]
+        ["c.weight", "c.bias"],
+        ["b.weight", "b.bias"],
+        ["a.weight", "a.bias"],
     ]
     assert report["alignment"]["status"] == "aligned"
 

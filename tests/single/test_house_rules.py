@@ -3,6 +3,7 @@
 Nothing here imports the library or torch: each test parses the library's .py files with `ast`, so
 comments and docstrings never count, only code.
 """
+
 from __future__ import annotations
 
 import ast
@@ -11,14 +12,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("compile_core", "ddp", "aot", "inductor", "launch")
-HOMES = frozenset({"ddp/torch_ddp.py", "aot/torch_dynamo.py", "aot/torch_dynamo_cache.py",
-                   "inductor/torch_inductor.py"})
+HOMES = frozenset(
+    {"ddp/torch_ddp.py", "aot/torch_dynamo.py", "aot/torch_dynamo_cache.py", "inductor/torch_inductor.py"}
+)
 """The only modules that may touch private torch names (each function there has a canary in
 tests/single/test_torch_internals.py)."""
 
 NOT_TORCH = {
     "_compiler_ctx": "Lightning's LightningModule (compile_core/integrations/lightning.py; canary in "
-                     "tests/single/test_integrations.py)",
+    "tests/single/test_integrations.py)",
 }
 """Private names of other libraries that the library reads on purpose, each with where it is checked."""
 
@@ -65,8 +67,12 @@ def _own_private_names(files: dict[str, ast.Module]) -> set[str]:
                 names.add(node.id)
             elif isinstance(node, ast.arg):
                 names.add(node.arg)
-            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
                 names.add(node.attr)
             elif isinstance(node, ast.alias):
                 names.add((node.asname or node.name).split(".")[0])
@@ -104,24 +110,36 @@ def private_torch_uses(files: dict[str, ast.Module]) -> list[str]:
         for node in ast.walk(tree):
             what = None
             if isinstance(node, ast.Import):
-                what = next((f"import {a.name}" for a in node.names
-                             if a.name.split(".")[0] == "torch" and "._" in a.name), None)
+                what = next(
+                    (f"import {a.name}" for a in node.names if a.name.split(".")[0] == "torch" and "._" in a.name), None
+                )
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
                 if "._" in node.module or node.module.startswith("_"):
                     what = f"from {node.module} import ..."
                 else:
-                    what = next((f"from {node.module} import {a.name}" for a in node.names
-                                 if _is_private(a.name)), None)
+                    what = next(
+                        (f"from {node.module} import {a.name}" for a in node.names if _is_private(a.name)), None
+                    )
             elif isinstance(node, ast.Attribute) and _is_private(node.attr):
                 if _root_name(node.value) in torch_names or node.attr not in own:
                     what = f".{node.attr}"
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                  and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
-                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-                  and _is_private(node.args[1].value) and node.args[1].value not in own):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _is_private(node.args[1].value)
+                and node.args[1].value not in own
+            ):
                 what = f"{node.func.id}(..., {node.args[1].value!r})"
-            elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-                  and _PRIVATE_TORCH_MODULE.match(node.value)):
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and id(node) not in docstrings
+                and _PRIVATE_TORCH_MODULE.match(node.value)
+            ):
                 what = repr(node.value)
             if what is not None:
                 found.append((rel, node.lineno, what))
@@ -245,7 +263,8 @@ def test_no_import_cycles_between_library_modules():
     graph = {m: {t for t in targets if not _is_package_reexport(m, t)} for m, targets in graph.items()}
     cycles = import_cycles(graph)
     assert not cycles, "library modules that import each other (directly or through others): " + "; ".join(
-        " <-> ".join(c) for c in cycles)
+        " <-> ".join(c) for c in cycles
+    )
 
 
 def test_the_cycle_check_finds_a_circle():

@@ -4,6 +4,7 @@ is waited for, and (optimizer in the backward) where each bucket's update runs.
 One process with a world-size-1 group: the schedule is a property of the graph, not of the data.
 The backward graphs are the ones AOTAutograd handed to the (aot_eager) compiler, after our pass.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,15 @@ def _mlp() -> nn.Module:
 def _backwards(optimizer_in_backward: bool) -> list[torch.fx.GraphModule]:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = compile_core.train_step(DDP(model), opt, F.mse_loss, backend="aot_eager", ddp="in_graph",
-                                   optimizer_in_backward=optimizer_in_backward, bucket_cap_mb=0.015)
+    step = compile_core.train_step(
+        DDP(model),
+        opt,
+        F.mse_loss,
+        backend="aot_eager",
+        ddp="in_graph",
+        optimizer_in_backward=optimizer_in_backward,
+        bucket_cap_mb=0.015,
+    )
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         step(torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g))

@@ -4,6 +4,7 @@ named, options are validated, and canaries for the few framework internals the i
 The reductions themselves are proved on 2 ranks: tests/multi_gpu/test_lightning_multirank.py and
 tests/multi_gpu/test_accelerate_multirank.py.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -25,8 +26,9 @@ def test_the_core_imports_no_framework():
         import compile_core, compile_core.integrations, compile_core.integrations.common
         print(sorted(m for m in sys.modules if m.split(".")[0] in {FRAMEWORKS!r}))
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"importing compile_core imported {out.stdout.strip()}"
 
@@ -41,8 +43,9 @@ def test_a_missing_extra_is_named_in_the_import_error(monkeypatch, extra):
 
 # ---- Lightning ------------------------------------------------------------------------------------
 
-lightning_ok = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
-                                  reason='needs the [lightning] extra: pip install -e ".[lightning]"')
+lightning_ok = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason='needs the [lightning] extra: pip install -e ".[lightning]"'
+)
 
 
 def _lit_gpt():
@@ -133,8 +136,10 @@ def test_canary_lightning_marks_torch_compiled_modules(pg):
 
 # ---- accelerate -----------------------------------------------------------------------------------
 
-accelerate_ok = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
-                                   reason='needs the [accelerate] extra: pip install -e ".[accelerate]"')
+accelerate_ok = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None,
+    reason='needs the [accelerate] extra: pip install -e ".[accelerate]"',
+)
 
 
 @accelerate_ok
@@ -190,7 +195,8 @@ def test_accelerate_compile_refuses_an_accelerator_that_compiles_itself():
         except ValueError as err:
             print("refused:", err)
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert "refused:" in out.stdout and "dynamo_backend='INDUCTOR'" in out.stdout, out.stdout

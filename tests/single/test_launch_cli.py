@@ -1,5 +1,6 @@
 """Unit checks of the launcher's pieces that need no process group: argument parsing, GPU counting,
 the node-side Inductor cache prelude, and the per-rank failure record."""
+
 from __future__ import annotations
 
 import json
@@ -113,8 +114,14 @@ def _worker(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess, Pat
     script.write_text(body)
     error_file = tmp_path / "attempt_0" / "0" / "error.json"
     env = dict(os.environ, TORCHELASTIC_ERROR_FILE=str(error_file), RANK="3", LOCAL_RANK="1", GROUP_RANK="1")
-    res = subprocess.run([sys.executable, "-m", "launch.worker", "script", str(script), "--x", "1"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "launch.worker", "script", str(script), "--x", "1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return res, error_file.parent
 
 

@@ -1,6 +1,7 @@
 """Launcher options for jobs past one node, checked without starting ranks: several nodes on this host each
 get their own Inductor cache dir, `--max-restarts` reaches torchrun with a fresh rendezvous store per
 attempt, `--rdzv-endpoint` makes the command one host's node of a job, and slurm/kubernetes requests."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,8 +37,9 @@ def test_two_nodes_on_one_host_each_get_their_own_private_cache_dir(script, tmp_
     for replica in (0, 1):  # what torchx's local scheduler runs for each replica, macros filled in
         values = specs.macros.Values(img_root="", app_id="app", replica_id=str(replica), rank0_env="X")
         command = values.apply(role).args[1].partition(" && exec ")[0]
-        res = subprocess.run(["bash", "-c", command + ' && echo "$TORCHINDUCTOR_CACHE_DIR"'], capture_output=True,
-                             text=True, timeout=30)
+        res = subprocess.run(
+            ["bash", "-c", command + ' && echo "$TORCHINDUCTOR_CACHE_DIR"'], capture_output=True, text=True, timeout=30
+        )
         assert res.returncode == 0, res.stderr
         dirs.append(res.stdout.strip())
     assert dirs == [f"{tmp_path}/c/node0", f"{tmp_path}/c/node1"]
@@ -59,15 +61,20 @@ def test_rdzv_endpoint_makes_the_command_one_hosts_node_of_the_job(script):
     cfg, role = role_of(["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-endpoint", "node0.example:29400", script])
     torchrun = role.args[1].partition(" && exec ")[2]
     assert role.num_replicas == 1 and not cfg.node_cache_dirs
-    assert " --rdzv_endpoint node0.example:29400 --rdzv_id ddp_compile_node0_example_29400 --nnodes 2 " \
-           "--nproc_per_node 4 " in torchrun
+    assert (
+        " --rdzv_endpoint node0.example:29400 --rdzv_id ddp_compile_node0_example_29400 --nnodes 2 "
+        "--nproc_per_node 4 " in torchrun
+    )
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--max-restarts", "-1"], "--max-restarts -1: must be >= 0"),
-    (["--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0': expected HOST:PORT"),
-    (["--rdzv-id", "job7"], "only with --rdzv-endpoint"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--max-restarts", "-1"], "--max-restarts -1: must be >= 0"),
+        (["--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0': expected HOST:PORT"),
+        (["--rdzv-id", "job7"], "only with --rdzv-endpoint"),
+    ],
+)
 def test_bad_multi_node_input_is_one_line_and_exit_code_2(script, capsys, argv, words):
     assert cli.main([*argv, script]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -75,9 +82,29 @@ def test_bad_multi_node_input_is_one_line_and_exit_code_2(script, capsys, argv, 
 
 
 def _dryrun(scheduler: str, *extra: str, cfg: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torchx.cli.main", "run", *extra, "--dryrun", "-s", scheduler, *cfg,
-           "launch/components.py:trainer", "--script", "examples/train_gpt.py", "-j", "2x1", "--max_restarts", "2",
-           "--env", "PATH=/opt/venv/bin:/usr/bin:/bin", "--", "--checkpoint-dir", "/shared/ckpt"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchx.cli.main",
+        "run",
+        *extra,
+        "--dryrun",
+        "-s",
+        scheduler,
+        *cfg,
+        "launch/components.py:trainer",
+        "--script",
+        "examples/train_gpt.py",
+        "-j",
+        "2x1",
+        "--max_restarts",
+        "2",
+        "--env",
+        "PATH=/opt/venv/bin:/usr/bin:/bin",
+        "--",
+        "--checkpoint-dir",
+        "/shared/ckpt",
+    ]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
@@ -92,8 +119,10 @@ def test_slurm_dry_run_is_two_nodes_with_restarts():
     assert all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r for r in runs), runs
 
 
-@pytest.mark.skipif(importlib.util.find_spec("kubernetes") is None,
-                    reason="the kubernetes Python client (torchx's kubernetes scheduler needs it) is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("kubernetes") is None,
+    reason="the kubernetes Python client (torchx's kubernetes scheduler needs it) is not installed",
+)
 def test_kubernetes_dry_run_is_two_tasks_with_restarts():
     res = _dryrun("kubernetes", "--workspace", "", cfg=("-cfg", "queue=default"))
     assert res.returncode == 0, res.stderr[-2000:]

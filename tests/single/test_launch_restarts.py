@@ -1,5 +1,6 @@
 """The launcher's restart report (launch/restarts.py) from a local run's log tree, as torchrun and
 launch.worker leave it: which rank died and why, on which node, and the step the job resumed from."""
+
 from __future__ import annotations
 
 import json
@@ -8,12 +9,28 @@ import time
 from launch.restarts import find_restarts, report_restarts
 
 
-def rank_file(root, node_dir: str, attempt: int, rank: int, pid: int, t: float, *, node: int | None = None,
-              local: int = 0, **extra) -> None:
+def rank_file(
+    root,
+    node_dir: str,
+    attempt: int,
+    rank: int,
+    pid: int,
+    t: float,
+    *,
+    node: int | None = None,
+    local: int = 0,
+    **extra,
+) -> None:
     d = root / "torchelastic" / "job" / node_dir / f"attempt_{attempt}" / str(local)
     d.mkdir(parents=True, exist_ok=True)
-    info = {"rank": rank, "local_rank": local, "group_rank": rank if node is None else node, "host": "vm",
-            "pid": pid, "time": t}
+    info = {
+        "rank": rank,
+        "local_rank": local,
+        "group_rank": rank if node is None else node,
+        "host": "vm",
+        "pid": pid,
+        "time": t,
+    }
     (d / f"launch_rank.{pid}.json").write_text(json.dumps(info))
     for name, value in extra.items():
         (d / f"{name}.{pid}.json").write_text(json.dumps({**value, "pid": pid}))
@@ -27,8 +44,10 @@ def node_log(root, node: int, text: str) -> None:
 
 def glog(t: float, pid: int, code: int) -> str:
     stamp = time.strftime("%m%d %H:%M:%S", time.localtime(t)) + ".250000"
-    return (f"E{stamp} 4242 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: {code}) "
-            f"local_rank: 0 (pid: {pid}) of binary: /venv/bin/python3.11\n")
+    return (
+        f"E{stamp} 4242 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: {code}) "
+        f"local_rank: 0 (pid: {pid}) of binary: /venv/bin/python3.11\n"
+    )
 
 
 def test_a_sigkilled_rank_on_node_1_is_named_with_the_step_the_job_resumed_from(tmp_path, capsys):
@@ -51,7 +70,8 @@ def test_a_sigkilled_rank_on_node_1_is_named_with_the_step_the_job_resumed_from(
     report_restarts(restarts, 3)
     assert capsys.readouterr().err.splitlines() == [
         "launch: restart 1 of 3: rank 1 (local rank 0 on node 1, host vm) was killed by signal SIGKILL (9); "
-        "resumed from step 6"]
+        "resumed from step 6"
+    ]
 
 
 def test_no_restart_and_a_script_that_never_says_where_it_resumed(tmp_path, capsys):
@@ -66,4 +86,5 @@ def test_no_restart_and_a_script_that_never_says_where_it_resumed(tmp_path, caps
     report_restarts(restarts, 1)
     assert capsys.readouterr().err.strip() == (
         "launch: restart 1 of 1: rank 1 (local rank 1 on node 0, host vm) exited with code 3; "
-        "the script reported no resume step (launch.restarts.record_resumed)")
+        "the script reported no resume step (launch.restarts.record_resumed)"
+    )

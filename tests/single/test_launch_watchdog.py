@@ -1,6 +1,7 @@
 """Unit checks of the launcher's failure and hang machinery that need no process group: the heartbeat
 writer, the watchdog's grace rules and stuck-rank choice, the root-cause order of failures, the
 --hang-timeout arguments and the component's hang options."""
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ def hb_env(monkeypatch, tmp_path):
 
 
 # --- heartbeat writer -------------------------------------------------------------------------------
+
 
 def test_beat_is_a_cheap_no_op_without_the_env_var(monkeypatch, tmp_path):
     heartbeat._reset_for_tests()
@@ -108,10 +110,20 @@ def test_worker_records_the_rank_and_dumps_its_stack_on_sigusr1(tmp_path):
     hb = tmp_path / "hb"
     hb.mkdir()
     err_dir = tmp_path / "attempt_0" / "1"
-    env = dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err_dir / "error.json"), RANK="5", LOCAL_RANK="1",
-               **{heartbeat.HEARTBEAT_DIR_ENV: str(hb)})
-    proc = subprocess.Popen([sys.executable, "-m", "launch.worker", "script", str(script)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ,
+        TORCHELASTIC_ERROR_FILE=str(err_dir / "error.json"),
+        RANK="5",
+        LOCAL_RANK="1",
+        **{heartbeat.HEARTBEAT_DIR_ENV: str(hb)},
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.worker", "script", str(script)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         (rec,) = heartbeat.read_records(str(hb))
@@ -128,9 +140,11 @@ def test_worker_records_the_rank_and_dumps_its_stack_on_sigusr1(tmp_path):
 
 # --- grace rules and the stuck rank -----------------------------------------------------------------
 
+
 def _rec(rank: int, last: float, beats: int = 5, phase: str = "step", pid: int | None = None) -> Record:
-    return Record(rank=rank, local_rank=rank, host="h", pid=pid or 1000 + rank, start=0.0, last=last,
-                  beats=beats, phase=phase)
+    return Record(
+        rank=rank, local_rank=rank, host="h", pid=pid or 1000 + rank, start=0.0, last=last, beats=beats, phase=phase
+    )
 
 
 POLICY = HangPolicy(hang_timeout=10)
@@ -139,18 +153,21 @@ POLICY = HangPolicy(hang_timeout=10)
 def test_policy_defaults_and_limits():
     assert POLICY.first_step_timeout == 600
     assert HangPolicy(hang_timeout=120).first_step_timeout == 1200
-    assert POLICY.limit(_rec(0, 0, beats=0)) == 600          # not beaten yet: start-up
-    assert POLICY.limit(_rec(0, 0, beats=1)) == 600          # inside the first step
+    assert POLICY.limit(_rec(0, 0, beats=0)) == 600  # not beaten yet: start-up
+    assert POLICY.limit(_rec(0, 0, beats=1)) == 600  # inside the first step
     assert POLICY.limit(_rec(0, 0, beats=7, phase="compile")) == 600
     assert POLICY.limit(_rec(0, 0, beats=2)) == 10
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"hang_timeout": 0}, "hang timeout 0"),
-    ({"hang_timeout": -1.5}, "hang timeout -1.5"),
-    ({"hang_timeout": float("nan")}, "hang timeout nan"),
-    ({"hang_timeout": 10, "first_step_timeout": 5}, "first-step timeout 5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"hang_timeout": 0}, "hang timeout 0"),
+        ({"hang_timeout": -1.5}, "hang timeout -1.5"),
+        ({"hang_timeout": float("nan")}, "hang timeout nan"),
+        ({"hang_timeout": 10, "first_step_timeout": 5}, "first-step timeout 5"),
+    ],
+)
 def test_policy_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         HangPolicy(**kwargs)
@@ -166,8 +183,10 @@ def test_no_hang_while_any_rank_is_within_its_limit():
 def test_hang_names_the_rank_with_the_oldest_heartbeat():
     hang = find_hang([_rec(0, 89.0), _rec(1, 88.5), _rec(2, 89.9)], 100.0, POLICY, watch_start=0)
     assert hang.stuck.rank == 1 and hang.idle == pytest.approx(11.5)
-    assert hang.summary() == ("launch: job HUNG: rank 1 (host h, pid 1001) made no progress for 11.5 s "
-                              "(last heartbeat: step) -- stopping the job")
+    assert hang.summary() == (
+        "launch: job HUNG: rank 1 (host h, pid 1001) made no progress for 11.5 s "
+        "(last heartbeat: step) -- stopping the job"
+    )
 
 
 def test_a_rank_that_never_beat_counts_as_oldest():
@@ -190,10 +209,12 @@ def test_no_rank_started_uses_the_first_step_timeout():
 
 
 def test_stack_is_tagged_and_trampoline_frames_dropped():
-    stack = ('Current thread 0x1 (most recent call first):\n'
-             '  File "/x/rank_script.py", line 9 in stuck\n'
-             '  File "<frozen runpy>", line 88 in _run_code\n'
-             '  File "/repo/launch/worker.py", line 117 in _run\n')
+    stack = (
+        "Current thread 0x1 (most recent call first):\n"
+        '  File "/x/rank_script.py", line 9 in stuck\n'
+        '  File "<frozen runpy>", line 88 in _run_code\n'
+        '  File "/repo/launch/worker.py", line 117 in _run\n'
+    )
     assert format_stack(1, stack) == [
         "launch: rank 1 stack at that moment (faulthandler, most recent call first):",
         "  [rank1] Current thread 0x1 (most recent call first):",
@@ -235,12 +256,21 @@ Root Cause (first observed failure):
 def test_torchrun_summary_is_parsed():
     entries = parse_torchrun_summary(TORCHRUN_SUMMARY)
     assert [(e["rank"], e["exitcode"], e["pid"], e["root"], e["kind"]) for e in entries] == [
-        (0, -15, 4311, False, "signal"), (1, -9, 4312, True, "signal")]
+        (0, -15, 4311, False, "signal"),
+        (1, -9, 4312, True, "signal"),
+    ]
 
 
 def _exc(rank: int, t: float) -> dict:
-    return {"rank": rank, "local_rank": rank, "host": "h", "time": t, "kind": "exception",
-            "exception": "RuntimeError: Connection closed by peer", "traceback": ""}
+    return {
+        "rank": rank,
+        "local_rank": rank,
+        "host": "h",
+        "time": t,
+        "kind": "exception",
+        "exception": "RuntimeError: Connection closed by peer",
+        "traceback": "",
+    }
 
 
 def test_a_killed_rank_is_the_root_cause_not_the_survivor_that_raised_after_it():
@@ -267,12 +297,12 @@ def test_sigterm_deaths_are_teardown_unless_nothing_else_failed():
 
 
 def test_plain_exit_code_is_reported():
-    f = {"rank": 2, "local_rank": 0, "host": "h", "pid": 5, "exitcode": 3, "time": 0.0, "root": True,
-         "kind": "exit"}
+    f = {"rank": 2, "local_rank": 0, "host": "h", "pid": 5, "exitcode": 3, "time": 0.0, "root": True, "kind": "exit"}
     assert reason(order_failures([], [f])[0]) == "exited with code 3"
 
 
 # --- arguments and the component --------------------------------------------------------------------
+
 
 @pytest.fixture
 def script(tmp_path):
@@ -287,23 +317,33 @@ def test_hang_flags_are_parsed(script):
     assert cli.parse_args([script]).hang_timeout is None  # off by default
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--hang-timeout", "0"], "--hang-timeout 0: expected a number of seconds > 0"),
-    (["--hang-timeout", "-5"], "--hang-timeout -5: expected a number of seconds > 0"),
-    (["--hang-timeout", "soon"], "--hang-timeout 'soon': expected a number of seconds > 0"),
-    (["--hang-timeout", "inf"], "--hang-timeout inf: expected a number of seconds > 0"),
-    (["--hang-timeout", "60", "--hang-first-step-timeout", "30"],
-     "--hang-first-step-timeout 30: expected seconds >= --hang-timeout (60)"),
-    (["--hang-first-step-timeout", "30"], "needs --hang-timeout"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--hang-timeout", "0"], "--hang-timeout 0: expected a number of seconds > 0"),
+        (["--hang-timeout", "-5"], "--hang-timeout -5: expected a number of seconds > 0"),
+        (["--hang-timeout", "soon"], "--hang-timeout 'soon': expected a number of seconds > 0"),
+        (["--hang-timeout", "inf"], "--hang-timeout inf: expected a number of seconds > 0"),
+        (
+            ["--hang-timeout", "60", "--hang-first-step-timeout", "30"],
+            "--hang-first-step-timeout 30: expected seconds >= --hang-timeout (60)",
+        ),
+        (["--hang-first-step-timeout", "30"], "needs --hang-timeout"),
+    ],
+)
 def test_bad_hang_values_are_usage_errors(script, flags, message):
     with pytest.raises(cli.UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         cli.parse_args([*flags, script])
 
 
 def test_bad_hang_value_is_one_line_and_exit_2(script):
-    res = subprocess.run([sys.executable, "-m", "launch", "--hang-timeout", "0", script], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "launch", "--hang-timeout", "0", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.splitlines() == ["launch: error: --hang-timeout 0: expected a number of seconds > 0 (e.g. 300)"]
 
@@ -323,21 +363,31 @@ def test_component_runs_torchrun_under_the_watchdog_only_when_asked():
     assert "--hang-timeout 30.0 --" in components.trainer(script="a.py", hang_timeout="30").roles[0].args[1]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"hang_timeout": 0.0}, "hang_timeout=0.0: expected a number of seconds > 0"),
-    ({"hang_timeout": 10.0, "hang_first_step_timeout": 1.0},
-     "hang_first_step_timeout=1.0: expected seconds >= hang_timeout"),
-    ({"hang_timeout": "soon"}, "hang_timeout='soon': expected a number of seconds > 0"),
-    ({"heartbeat_dir": "/tmp/hb"}, "need hang_timeout"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"hang_timeout": 0.0}, "hang_timeout=0.0: expected a number of seconds > 0"),
+        (
+            {"hang_timeout": 10.0, "hang_first_step_timeout": 1.0},
+            "hang_first_step_timeout=1.0: expected seconds >= hang_timeout",
+        ),
+        ({"hang_timeout": "soon"}, "hang_timeout='soon': expected a number of seconds > 0"),
+        ({"heartbeat_dir": "/tmp/hb"}, "need hang_timeout"),
+    ],
+)
 def test_component_rejects_bad_hang_options(kwargs, message):
     with pytest.raises(ValueError, match=message):
         components.trainer(script="a.py", **kwargs)
 
 
 def test_dry_run_shows_the_watchdog(script):
-    res = subprocess.run([sys.executable, "-m", "launch", "--dry-run", "--hang-timeout", "20", script], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "launch", "--dry-run", "--hang-timeout", "20", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert "python3 -m launch.watchdog --hang-timeout 20.0 -- torchrun " in res.stdout
 
@@ -349,9 +399,11 @@ def test_watchdog_passes_the_exit_code_and_forwards_sigterm(tmp_path):
     res = subprocess.run([*wd, sys.executable, "-c", "import sys; sys.exit(7)"], cwd=REPO, env=env, timeout=60)
     assert res.returncode == 7
     marker = tmp_path / "got_term"
-    child = ("import signal, sys, time, pathlib\n"
-             f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(marker)!r}).touch(), sys.exit(5)))\n"
-             "print('ready', flush=True)\ntime.sleep(60)\n")
+    child = (
+        "import signal, sys, time, pathlib\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(marker)!r}).touch(), sys.exit(5)))\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n"
+    )
     proc = subprocess.Popen([*wd, sys.executable, "-c", child], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"

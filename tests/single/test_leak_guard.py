@@ -5,6 +5,7 @@ session of their own (as torchx and the benchmark runner start ranks) or orphane
 died. The last test runs a small pytest session that leaks a process and checks that the session
 fails, names the process and kills it.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,18 +68,35 @@ def test_an_orphan_is_a_leftover_and_a_live_helper_of_ours_is_not(marker):
 
 
 def test_a_session_that_leaves_a_process_behind_fails_and_kills_it(tmp_path, marker):
-    (tmp_path / "test_leaky.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "test_leaky.py").write_text(
+        textwrap.dedent(f"""
         import subprocess, sys
         def test_leaks():
             subprocess.Popen({SLEEPER!r}, start_new_session=True)  # never killed by the test
-    """))
+    """)
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_COMPILE_TEST")}
     env[SESSION_ENV] = marker  # the inner session's marker (set before its conftest would make one)
     env["DDP_COMPILE_TEST_LEFTOVER_GRACE_S"] = "1"
     env["PYTHONPATH"] = str(REPO)
-    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider",
-                          "-q", str(tmp_path / "test_leaky.py")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "tests.conftest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            str(tmp_path / "test_leaky.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 1, res.stdout + res.stderr  # the test itself passed: the leak fails the run
     assert "1 passed" in res.stdout
     assert "1 process(es) started by the test session were still alive" in res.stdout

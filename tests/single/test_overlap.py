@@ -1,4 +1,5 @@
 """Pure tests of the overlap math, the timeline data and the alignment check (no process group)."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ from ddp.overlap import (
     overlap_stats,
     plot_timeline,
 )
-
 
 # -- interval math --------------------------------------------------------------------------------------
 
@@ -76,9 +76,7 @@ def _timeline() -> StepTimeline:
         BucketRecord(step=3, index=0, params=("head.weight",), nbytes=4000, ready_s=10.2, done_s=10.5),
         BucketRecord(step=3, index=1, params=("fc.weight", "fc.bias"), nbytes=2000, ready_s=10.6, done_s=11.0),
     )
-    return StepTimeline(
-        step=3, backward_start_s=10.0, backward_end_s=10.6, start_marked=True, buckets=buckets
-    )
+    return StepTimeline(step=3, backward_start_s=10.0, backward_end_s=10.6, start_marked=True, buckets=buckets)
 
 
 def test_step_timeline_overlap_uses_last_ready_as_backward_end():

@@ -3,6 +3,7 @@
 The multi-rank tests rely on them to run unchanged under nccl; here the "GPU" is the meta device (a
 device other than the CPU that needs no hardware), so a value the helper fails to move shows up.
 """
+
 from __future__ import annotations
 
 import types

@@ -1,4 +1,5 @@
 """The splitter on its own: no process group; DDP's role is played by a config (or a fake module)."""
+
 from __future__ import annotations
 
 import copy

@@ -1,5 +1,6 @@
 """Job-wide claims through a store (compile_core/reuse/store_claims.py) and shipped compiles (inductor/artifacts.py),
 with ranks played by threads sharing one in-process store, each with its own cache dir (its "node")."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from inductor import artifacts
 from compile_core.reuse.store_claims import StoreClaims
+from inductor import artifacts
 
 LIB = "ab/c" + "x" * 51 + ".main.so"  # where Inductor would put a kernel library
 

@@ -1,6 +1,7 @@
 """Canaries: one per private torch internal we use (ddp/torch_ddp.py, aot/torch_dynamo.py,
 inductor/torch_inductor.py). When a torch upgrade changes one, its canary fails with a message that
 names the function to update, instead of a confusing failure deep inside a compile."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +27,9 @@ def canary(home: str):
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - every failure here means torch changed under us
-        raise AssertionError(f"torch {torch.__version__} changed what {home} relies on: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError(
+            f"torch {torch.__version__} changed what {home} relies on: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def two_layers() -> DDP:
@@ -75,9 +78,13 @@ def test_builtin_comm_hooks_are_seen_through_ddps_logger():
 def test_compress_wrappers_reveal_their_dtype_and_inner_hook():
     with canary("ddp/torch_ddp.py:compress_wrapper_parts"):
         assert torch_ddp.compress_wrapper_parts(default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)) == (
-            torch.float16, default_hooks.allreduce_hook)
+            torch.float16,
+            default_hooks.allreduce_hook,
+        )
         assert torch_ddp.compress_wrapper_parts(default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)) == (
-            torch.bfloat16, default_hooks.allreduce_hook)
+            torch.bfloat16,
+            default_hooks.allreduce_hook,
+        )
         assert torch_ddp.compress_wrapper_parts(default_hooks.fp16_compress_hook) is None
 
 
@@ -129,11 +136,22 @@ def test_reducer_takes_our_keywords():
     with canary("ddp/torch_ddp.py:install_reducer"):
         doc = torch.distributed.Reducer.__init__.__doc__
         source = inspect.getsource(torch_ddp.install_reducer)
-        for keyword in ("params", "bucket_indices", "per_bucket_size_limits", "process_group",
-                        "expect_sparse_gradients", "bucket_bytes_cap", "find_unused_parameters",
-                        "gradient_as_bucket_view", "param_to_name_mapping", "first_bucket_bytes_cap",
-                        "skip_all_reduce_unused_params", "use_python_reducer", "bucket_bytes_cap_list",
-                        "batched_grad_copy"):
+        for keyword in (
+            "params",
+            "bucket_indices",
+            "per_bucket_size_limits",
+            "process_group",
+            "expect_sparse_gradients",
+            "bucket_bytes_cap",
+            "find_unused_parameters",
+            "gradient_as_bucket_view",
+            "param_to_name_mapping",
+            "first_bucket_bytes_cap",
+            "skip_all_reduce_unused_params",
+            "use_python_reducer",
+            "bucket_bytes_cap_list",
+            "batched_grad_copy",
+        ):
             assert f"{keyword}=" in source
             assert f"{keyword}:" in doc, f"Reducer no longer takes {keyword}="
 
@@ -176,8 +194,11 @@ def test_guard_hook_reports_the_reason_of_a_recompile():
     with canary("aot/torch_dynamo.py:compile_with_guard_hook"):
         failures: list[tuple[str, str]] = []
         fn = torch_dynamo.compile_with_guard_hook(
-            lambda x: x * 2, "eager", on_guard_fail=lambda reason, where: failures.append((reason, where)),
-            dynamic=False, isolate_recompiles=True,
+            lambda x: x * 2,
+            "eager",
+            on_guard_fail=lambda reason, where: failures.append((reason, where)),
+            dynamic=False,
+            isolate_recompiles=True,
         )
         fn(torch.randn(3))
         fn(torch.randn(5))
@@ -286,8 +307,9 @@ def test_watch_caches_reads_aot_and_fx_cache_outcomes(tmp_path, monkeypatch):
 
         def backend(gm, example_inputs):
             with torch_dynamo.watch_caches() as outcome:
-                compiled = torch_inductor.compile_fx_with(gm, example_inputs, on_graph=lambda g, b: None,
-                                                          config_patches=None)
+                compiled = torch_inductor.compile_fx_with(
+                    gm, example_inputs, on_graph=lambda g, b: None, config_patches=None
+                )
             outcomes.append(outcome)
             return compiled
 
@@ -307,8 +329,9 @@ def test_watch_caches_finds_why_the_aot_cache_was_bypassed(tmp_path, monkeypatch
 
         def backend(gm, example_inputs):
             with torch_dynamo.watch_caches() as outcome:
-                compiled = torch_inductor.compile_fx_with(gm, example_inputs, on_graph=lambda g, b: None,
-                                                          config_patches=None)
+                compiled = torch_inductor.compile_fx_with(
+                    gm, example_inputs, on_graph=lambda g, b: None, config_patches=None
+                )
             outcomes.append(outcome)
             return compiled
 
@@ -357,7 +380,10 @@ def test_cache_dir_and_disk_cache_switches(tmp_path, monkeypatch):
         assert (tmp_path / "c").is_dir()
         with torch.compiler.config.patch(force_disable_caches=True):
             assert not torch_inductor.disk_caches_enabled()
-        with torch._inductor.config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True):
+        with (
+            torch._inductor.config.patch(fx_graph_cache=True),
+            torch._functorch.config.patch(enable_autograd_cache=True),
+        ):
             assert torch_inductor.disk_caches_enabled()
 
 
@@ -386,6 +412,7 @@ class _OwnError(RuntimeError):
 
 def test_an_error_raised_in_a_backend_is_found_inside_dynamos_wrapper():
     with canary("aot/torch_dynamo.py:root_cause/cause_chain"):
+
         def backend(gm, example_inputs):
             raise _OwnError("ours")
 
@@ -410,8 +437,9 @@ def _partitioned(fn, *inputs):
         seen["fw"], seen["bw"] = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         return seen["fw"], seen["bw"]
 
-    backend = torch_dynamo.aot_autograd_backend(fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward,
-                                                partition_fn=partition)
+    backend = torch_dynamo.aot_autograd_backend(
+        fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward, partition_fn=partition
+    )
     torch.compile(fn, backend=backend)(*inputs).sum().backward()
     return seen
 
@@ -454,6 +482,7 @@ def test_the_saved_values_are_the_backward_inputs_before_the_tangents():
 
 def test_a_mutating_function_is_captured_as_a_functional_graph():
     with canary("aot/torch_dynamo.py:capture_functional"):
+
         def update(p, g, lr):
             p.sub_(g * lr)
 
@@ -478,7 +507,8 @@ def test_extra_inputs_leave_dynamos_graph_alone():
             seen["placeholders"] = [n.name for n in extended.graph.nodes if n.op == "placeholder"]
             seen["original"] = len([n for n in gm.graph.nodes if n.op == "placeholder"])
             compiled = torch_dynamo.aot_autograd_backend(fw_compiler=lambda g, i: g.forward)(
-                extended, [*example_inputs, torch.zeros(1)])
+                extended, [*example_inputs, torch.zeros(1)]
+            )
             return lambda *args: compiled(*args, torch.zeros(1))
 
         torch.compile(lambda x: x * 2, backend=backend)(torch.randn(3))
@@ -511,6 +541,7 @@ def test_the_ordering_op_is_cacheable_under_the_partitioner_patch():
 def test_a_users_own_partitioner_and_cacheable_functions_are_kept_under_our_patch():
     """Our patch builds on the user's Inductor settings instead of replacing them."""
     with canary("inductor/torch_inductor.py:partitioner_patch (user settings)"):
+
         class UserPartitioner:
             def __call__(self, gm, inputs, **kwargs):
                 return ("user's", gm)
@@ -525,8 +556,9 @@ def test_a_users_own_partitioner_and_cacheable_functions_are_kept_under_our_patc
             return base(gm, inputs, **kwargs)
 
         user = UserPartitioner()
-        patch = torch_inductor.partitioner_patch(ours, "ours", {
-            "custom_partitioner_fn": user, "unsafe_marked_cacheable_functions": {"my.op": "1"}})
+        patch = torch_inductor.partitioner_patch(
+            ours, "ours", {"custom_partitioner_fn": user, "unsafe_marked_cacheable_functions": {"my.op": "1"}}
+        )
         assert patch["custom_partitioner_fn"]("gm", []) == ("user's", "gm") and seen["base"] is user
         assert "user-uuid" in patch["custom_partitioner_fn"].uuid()  # their partitioner shapes the cache key
         cacheable = patch["unsafe_marked_cacheable_functions"]

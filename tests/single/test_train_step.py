@@ -4,6 +4,7 @@ Every numerical check compares against EAGER DDP doing the same thing (same seed
 never against another compiled run. Most tests use backend="aot_eager" on tiny models; one test
 runs real Inductor codegen.
 """
+
 from __future__ import annotations
 
 import copy
@@ -173,8 +174,12 @@ def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
     chunks = {r["name"]: r for r in opt_report["graph_compiles"]}
     # one graph for the four identical blocks, one for the other parameters
     assert sorted(n for n, r in chunks.items() if r["reused_from"] is None) == [
-        "update.group0.module.blocks.0", "update.group0.rest"]
-    assert sorted(r["reused_from"] for r in chunks.values() if r["reused_from"]) == ["update.group0.module.blocks.0"] * 3
+        "update.group0.module.blocks.0",
+        "update.group0.rest",
+    ]
+    assert (
+        sorted(r["reused_from"] for r in chunks.values() if r["reused_from"]) == ["update.group0.module.blocks.0"] * 3
+    )
     assert "per block" in str(step.report())
 
 
@@ -222,8 +227,13 @@ def test_parameters_that_get_their_first_gradient_later_update_like_eager(opt_na
     assert not ours["never.weight"] and ours["late.weight"]
     for name, st in theirs.items():
         for key, value in st.items():
-            torch.testing.assert_close(torch.as_tensor(ours[name][key]), torch.as_tensor(value), rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{name}.{key}: {m}")
+            torch.testing.assert_close(
+                torch.as_tensor(ours[name][key]),
+                torch.as_tensor(value),
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda m: f"{name}.{key}: {m}",
+            )
     assert step.report().to_dict()["optimizer"]["per_block"]
 
 
@@ -242,8 +252,13 @@ def test_optimizer_with_step_hooks_keeps_the_whole_step():
 # -- LR schedulers: no optimizer recompiles after warm-up ---------------------------------------------
 @pytest.mark.parametrize(
     "opt_name,sched_name",
-    [("sgd_momentum", "step"), ("adamw", "cosine"), ("adam", "lambda"), ("adamw", "onecycle"),
-     ("sgd_momentum", "onecycle")],
+    [
+        ("sgd_momentum", "step"),
+        ("adamw", "cosine"),
+        ("adam", "lambda"),
+        ("adamw", "onecycle"),
+        ("sgd_momentum", "onecycle"),
+    ],
 )
 def test_scheduler_changes_lr_without_optimizer_recompiles(opt_name, sched_name):
     n = 20
@@ -392,8 +407,9 @@ def test_fp16_autocast_with_a_grad_scaler_matches_the_eager_amp_recipe(opt_name)
     data = batches(4)
     model, opt, _ = make_setup(opt_name)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    step = train_step(model, opt, F.mse_loss, backend=BACKEND, autocast=torch.float16, grad_scaler=scaler,
-                      clip_grad_norm=0.5)
+    step = train_step(
+        model, opt, F.mse_loss, backend=BACKEND, autocast=torch.float16, grad_scaler=scaler, clip_grad_norm=0.5
+    )
     for x, y in data:
         step(x, y)
     ref_model, ref_opt, _ = make_setup(opt_name)

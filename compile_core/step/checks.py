@@ -1,0 +1,70 @@
+"""What `train_step` checks before any compile work, and on each call (bad input names the value and the fix)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from compile_core.step.config import TrainStepConfig
+
+
+def check_inputs(
+    model: Any, optimizer: Any, loss_fn: Any, lr_scheduler: Any, grad_scaler: Any, config: TrainStepConfig
+) -> None:
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise TypeError(f"grad_scaler={type(grad_scaler).__name__}: expected a torch.amp.GradScaler")
+    if config.autocast is torch.float16 and grad_scaler is None:
+        raise ValueError(
+            "autocast=torch.float16 needs loss scaling (fp16 gradients underflow without it): pass "
+            "grad_scaler=torch.amp.GradScaler(device_type), or use autocast=torch.bfloat16"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model={type(model).__name__}: expected an nn.Module (e.g. your DDP-wrapped model)")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__}: expected a torch.optim.Optimizer, "
+            "e.g. torch.optim.AdamW(model.parameters())"
+        )
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn={loss_fn!r} is not callable: pass a function (output, target) -> scalar loss, "
+            "e.g. torch.nn.functional.cross_entropy"
+        )
+    model_params = {id(p) for p in model.parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in model_params]
+    if foreign:
+        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
+        raise ValueError(
+            f"optimizer holds {len(foreign)} tensor(s) that are not parameters of the model "
+            f"(shapes {shapes}{', ...' if len(foreign) > 3 else ''}): build the optimizer from "
+            "model.parameters() of the same model passed to train_step"
+        )
+    if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is not optimizer:
+        raise ValueError(
+            f"lr_scheduler={type(lr_scheduler).__name__} does not drive this optimizer: "
+            "create it from the optimizer passed to train_step"
+        )
+
+
+def split_args(args: tuple[Any, ...], target: Any) -> tuple[tuple[Any, ...], Any]:
+    if target is not None:
+        if not args:
+            raise TypeError("step(*inputs, target): no inputs given")
+        return args, target
+    if len(args) < 2:
+        raise TypeError(
+            f"step(*inputs, target): got {len(args)} positional argument(s); pass the model inputs "
+            "followed by the target, e.g. step(x, y) or step(x, target=y)"
+        )
+    return args[:-1], args[-1]
+
+
+def check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_fn returned {shape}: expected a scalar tensor; reduce it (e.g. .mean()) "
+            "or use a loss with reduction='mean'"
+        )
