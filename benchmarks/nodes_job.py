@@ -77,7 +77,7 @@ def _write() -> None:
         "steady_ms": statistics.median(t for t, _ in times[1:]) * 1e3 if len(times) > 1 else None,
         "compile_s": sum(p.get("seconds", 0.0) for p in distinct),
         "report_compile_s": d.get("compile_seconds"),
-        "aot_misses": sum(1 for p in distinct if str(p.get("cache", "")).startswith("aot cache miss")),
+        "aot_misses": sum(1 for p in distinct if p.get("aot_cache") == "miss"),
         "sources": sorted(str(p.get("source", "?")) for p in distinct),
         "waited_s": sum(p.get("waited_s", 0.0) for p in distinct),
     }
