@@ -25,7 +25,9 @@ from compile_core.pieces import PieceCompiler
 from compile_core.report import CompileLog, CompileReport
 from ddp.agreement import RankAgreement, RankAgreementError
 from ddp.bucketing import MiB
+from ddp.bucketing.auto_cap import AutoCap
 from ddp.in_graph import InGraphReducer
+from ddp.link_probe import auto_bucket_cap
 from launch.heartbeat import beat
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ def compile(
     *,
     backend: str | Callable[..., Any] = "inductor",
     ddp: str | None = None,
-    bucket_cap_mb: float | None = None,
+    bucket_cap_mb: float | str | None = None,
     first_bucket_cap_mb: float | None = None,
     fullgraph: bool = False,
     dynamic: bool | None = None,
@@ -94,7 +96,11 @@ class CompiledModel:
             if self._ddp is not None
             else None
         )
-        cap, first = config.caps(int(self._ddp.bucket_bytes_cap) if self._ddp is not None else None)
+        auto = self._auto_cap(model) if config.auto_cap else None
+        cap, first = config.caps(
+            int(self._ddp.bucket_bytes_cap) if self._ddp is not None else None,
+            auto_cap_bytes=None if auto is None else auto.cap_bytes,
+        )
         self._mode = make_mode(
             ModeContext(
                 model=model,
@@ -129,6 +135,25 @@ class CompiledModel:
             cap / MiB,
             first / MiB,
         )
+
+    def _auto_cap(self, model: torch.nn.Module) -> AutoCap:
+        if self._ddp is None:
+            raise ValueError(
+                f"bucket_cap_mb='auto' times the all-reduce of a DDP model's process group, and "
+                f"{type(model).__name__} is not DistributedDataParallel: give a number of MiB or None"
+            )
+        auto = auto_bucket_cap(self._ddp)
+        self._log.auto_cap = auto.to_dict()
+        log.info(
+            "compile_core: bucket_cap_mb='auto': all-reduce %.0f us + %.3g GB/s, %.3g MiB of gradients -> "
+            "cap %.3g MiB (%s bound)",
+            auto.latency_s * 1e6,
+            auto.bytes_per_s / 1e9,
+            auto.grad_bytes / MiB,
+            auto.cap_bytes / MiB,
+            auto.bound,
+        )
+        return auto
 
     # ---- calling ---------------------------------------------------------------------------------
 

@@ -7,13 +7,15 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ddp.bucketing import MiB, caps_from_mb
+from ddp.bucketing import MiB, caps_from_mb, resolve_caps
 from ddp.in_graph.policy import check_reduce_dtype
 from inductor import InductorSettings
 
 DDP_DEFAULT_CAP_BYTES = 25 * MiB
 """DDP's own default `bucket_cap_mb` (25 MiB), for models that are not DDP."""
 _UNKNOWN_CAP = 1 << 62
+AUTO = "auto"
+"""`bucket_cap_mb` value that asks for a cap chosen from a measured all-reduce."""
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 """Backends by name; each adds one layer: eager = Dynamo only, aot_eager = + AOTAutograd, inductor = + codegen."""
@@ -36,8 +38,9 @@ class CompileConfig:
     """'inductor', 'aot_eager', 'eager', or a Dynamo backend callable (gm, example_inputs) -> callable."""
     ddp: str | None = None
     """'split', 'in_graph', 'none' or 'torch'; None = 'split' (whole graphs for a non-DDP model)."""
-    bucket_cap_mb: float | None = None
-    """Bucket cap in MiB; None = the DDP object's own cap."""
+    bucket_cap_mb: float | str | None = None
+    """Bucket cap in MiB; None = the DDP object's own cap; "auto" = chosen from an all-reduce timed at
+    compile time (ddp/bucketing/auto_cap.py)."""
     first_bucket_cap_mb: float | None = None
     """Cap of the first bucket in MiB; None = 1 MiB clamped to the bucket cap."""
     fullgraph: bool = False
@@ -67,7 +70,20 @@ class CompileConfig:
             raise ValueError(f"ddp={self.ddp!r} is unknown; use one of {DDP_MODES}")
         # Types, signs and first <= cap when both are given; the DDP object's cap is not known yet,
         # so the first cap is checked against it again in `caps()`.
-        caps_from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, default_cap_bytes=_UNKNOWN_CAP)
+        if isinstance(self.bucket_cap_mb, str):
+            if self.bucket_cap_mb != AUTO:
+                raise TypeError(
+                    f"bucket_cap_mb={self.bucket_cap_mb!r}: give a number of MiB > 0, None (the DDP object's cap) "
+                    f"or {AUTO!r} (chosen from a measured all-reduce)"
+                )
+            if self.ddp in ("none", "torch"):
+                raise ValueError(
+                    f"bucket_cap_mb='auto' sizes the buckets we plan, and ddp={self.ddp!r} plans none "
+                    "(DDP's reducer keeps its own cap): use ddp='split' or 'in_graph', or give DDP bucket_cap_mb"
+                )
+        caps_from_mb(
+            None if self.auto_cap else self.bucket_cap_mb, self.first_bucket_cap_mb, default_cap_bytes=_UNKNOWN_CAP
+        )
         if not isinstance(self.fullgraph, bool):
             raise TypeError(f"fullgraph={self.fullgraph!r} must be True or False")
         if not isinstance(self.reuse_pieces, bool):
@@ -88,8 +104,19 @@ class CompileConfig:
         # Validates mode/options names now rather than at the first compile.
         self.inductor_settings()
 
-    def caps(self, ddp_cap_bytes: int | None) -> tuple[int, int]:
-        """(bucket cap, first-bucket cap) in bytes; unset caps come from the DDP object (`ddp_cap_bytes`)."""
+    @property
+    def auto_cap(self) -> bool:
+        """True when the bucket cap is to be chosen from a measured all-reduce."""
+        return self.bucket_cap_mb == AUTO
+
+    def caps(self, ddp_cap_bytes: int | None, *, auto_cap_bytes: int | None = None) -> tuple[int, int]:
+        """(bucket cap, first-bucket cap) in bytes; unset caps come from the DDP object (`ddp_cap_bytes`);
+        with `bucket_cap_mb="auto"` the cap is `auto_cap_bytes` and the first cap is clamped to it."""
+        if self.auto_cap:
+            if auto_cap_bytes is None:
+                raise ValueError("bucket_cap_mb='auto' needs the measured cap (auto_cap_bytes)")
+            first = None if self.first_bucket_cap_mb is None else int(self.first_bucket_cap_mb * MiB)
+            return resolve_caps(auto_cap_bytes, None if first is None else min(first, auto_cap_bytes))
         default = DDP_DEFAULT_CAP_BYTES if ddp_cap_bytes is None else ddp_cap_bytes
         return caps_from_mb(self.bucket_cap_mb, self.first_bucket_cap_mb, default_cap_bytes=default)
 

@@ -48,6 +48,8 @@ class CompileLog:
         self.fallbacks: list[dict] = []
         self.pairs: list[GraphPair] = []
         self.notes: list[str] = []
+        self.auto_cap: dict | None = None
+        """`bucket_cap_mb="auto"`: the measured link and the cap chosen (ddp/bucketing/auto_cap.py)."""
         self.pieces: list = []
         """`PieceRecord` per compiled or reused graph/piece (compile_core/reuse/compile_once.py)."""
 
@@ -78,6 +80,7 @@ class CompileLog:
                 observed_alignment=observed_alignment,
                 compile_seconds=events.compile_seconds,
                 rank_differences=[dict(d) for d in rank_differences],
+                bucket_cap_auto=None if self.auto_cap is None else dict(self.auto_cap),
                 in_graph=in_graph,
             )
 
@@ -113,6 +116,8 @@ class CompileReport:
     in_graph: dict | None = None
     """ddp='in_graph' only: who reduces (compiled backward or DDP's reducer, and why), the comm hook
     and wire dtype, parameters reduced after the backward, graphs whose collectives fell back."""
+    bucket_cap_auto: dict | None = None
+    """`bucket_cap_mb="auto"` only: `cap_bytes`, `latency_us`, `gbytes_per_s`, `grad_bytes`, `bound`."""
     piece_compiles: list[dict] = dataclasses.field(default_factory=list)
     """One per graph or piece: `name`, `key`, `cache` (reused, or the cache outcome, for people),
     `aot_cache` (its kind: hit, miss, bypass, or "" when AOTAutogradCache was not used), `seconds`,
@@ -165,6 +170,7 @@ class CompileReport:
             "piece_compiles": [dict(r) for r in self.piece_compiles],
             "compile_once": self.compile_once(),
             "in_graph": None if self.in_graph is None else dict(self.in_graph),
+            "bucket_cap_auto": None if self.bucket_cap_auto is None else dict(self.bucket_cap_auto),
         }
 
     def __str__(self) -> str:
@@ -172,6 +178,13 @@ class CompileReport:
             f"compile report: backend={self.backend} ddp={self.mode} graphs={len(self.graphs)} "
             f"pieces={self.pieces} compile={self.compile_seconds:.2f}s"
         ]
+        if self.bucket_cap_auto is not None:
+            a = self.bucket_cap_auto
+            out.append(
+                f"  bucket cap auto: {a['cap_bytes'] / MiB:.3g} MiB ({a['bound']} bound; all-reduce "
+                f"{a['latency_us']:.0f} us + {a['gbytes_per_s']:.3g} GB/s, "
+                f"{a['grad_bytes'] / MiB:.3g} MiB of gradients)"
+            )
         for g in self.graphs:
             variant = f", variant {g.variant}" if g.variant is not None else ""
             out.append(f"  {g.name} (step {g.step}): {g.pieces} piece(s){variant}, {g.seconds:.2f}s")

@@ -131,6 +131,8 @@ SCENARIOS = {
     ),
     "batchnorm_buffers": lambda rank: _train(rank, WithBatchNorm),
     "static_graph": lambda rank: _train(rank, mlp, ddp_kwargs={"static_graph": True}),
+    "auto_cap": lambda rank: _train(rank, mlp, bucket_cap_mb="auto"),
+    "auto_cap_in_graph": lambda rank: _train(rank, mlp, bucket_cap_mb="auto", ddp="in_graph"),
 }
 
 
@@ -293,3 +295,26 @@ def test_static_graph_keeps_ddps_buckets_and_still_matches_eager(results):
     for r in per_rank:
         assert r["report"]["alignment"]["status"] == "skipped"
         assert "static_graph" in r["report"]["alignment"]["detail"]
+
+
+@pytest.mark.parametrize("scenario", ["auto_cap", "auto_cap_in_graph"])
+def test_bucket_cap_auto_measures_the_link_and_every_rank_picks_the_same_cap(results, scenario):
+    per_rank = ok(results, scenario)
+    assert_matches_eager(per_rank)
+    assert_same_compile_on_every_rank(per_rank, min_pieces=1)  # a 1 MiB cap: this small model is one bucket
+    autos = [r["report"]["bucket_cap_auto"] for r in per_rank]
+    assert all(a is not None for a in autos), autos
+    # The ranks agree on the slowest rank's timings, so they pick one cap (a differing cap would plan
+    # different buckets and, in_graph, pair different collectives).
+    assert len({(a["cap_bytes"], a["latency_us"], a["gbytes_per_s"]) for a in autos}) == 1, autos
+    auto = autos[0]
+    assert auto["latency_us"] >= 0 and auto["gbytes_per_s"] > 0, auto
+    grad_bytes = sum(t.numel() * t.element_size() for t in per_rank[0]["initial"].values())
+    assert auto["grad_bytes"] == grad_bytes, (auto, grad_bytes)
+    # This model's gradients (a few Linear(64, 64)) are far below 4 x 1 MiB: whatever the timings, the cap
+    # is the 1 MiB floor (reached from below: "floor", or from a larger latency bound: "buckets").
+    assert auto["cap_bytes"] == 1 << 20 and auto["bound"] in ("floor", "buckets"), auto
+    if scenario == "auto_cap":  # the splitter planned with the chosen cap
+        caps = [g["bucket_caps"]["requested_bytes"] for g in per_rank[0]["report"]["graphs"]]
+        assert caps and set(caps) == {auto["cap_bytes"]}, caps
+        assert_real_buckets_are_pieces(per_rank)

@@ -275,3 +275,46 @@ def test_a_final_norm_joins_the_head_so_the_last_block_is_like_the_others():
     assert per_block["0"] == per_block["1"] == per_block["2"]  # block 2's buckets hold nothing but block 2
     # cut inside at the cap (about 4 KiB), never leaving a sliver (ln1) for a bucket of its own
     assert len(per_block["0"]) == 4 and ["ln1.bias", "ln1.weight", "qkv.bias", "qkv.weight"] in per_block["0"]
+
+
+# -- bucket_cap_mb="auto": the pure choice (ddp/bucketing/auto_cap.py) ------------------------------------
+def test_auto_cap_fits_latency_and_bandwidth_through_two_timings():
+    from ddp.bucketing.auto_cap import fit_link
+
+    latency, bandwidth = fit_link((1 << 20, 9 << 20), (0.001 + 1 / 1024, 0.001 + 9 / 1024))  # 1 GiB/s, 1 ms
+    assert latency == pytest.approx(0.001) and bandwidth == pytest.approx(1 << 30)
+    # a larger all-reduce that was not slower: no bandwidth to fit, the latency is the small one's time
+    assert fit_link((1 << 20, 9 << 20), (0.002, 0.002)) == (0.002, pytest.approx((9 << 20) / 0.002))
+    with pytest.raises(ValueError, match="larger one"):
+        fit_link((9 << 20, 1 << 20), (0.001, 0.002))
+
+
+@pytest.mark.parametrize(
+    "latency_s,bytes_per_s,grad_mib,cap_mib,bound",
+    [
+        (1e-4, 1e9, 256, 1.0, "floor"),  # 9 * 100 us * 1 GB/s = 0.86 MiB: raised to the 1 MiB floor
+        (1e-3, 1e9, 256, 9e6 / MiB, "latency"),  # 9 MB keeps the fixed cost at 10 %
+        (2e-3, 1e9, 32, 8.0, "buckets"),  # 18 MB would leave 2 buckets: at least 4
+        (0.1, 1e9, 4096, 64.0, "ceiling"),
+        (1e-3, 1e9, 2, 1.0, "buckets"),  # a tiny model: one 1 MiB bucket per 1 MiB, never below the floor
+    ],
+)
+def test_auto_cap_takes_the_bound_that_decides(latency_s, bytes_per_s, grad_mib, cap_mib, bound):
+    from ddp.bucketing.auto_cap import choose_cap
+
+    auto = choose_cap(latency_s=latency_s, bytes_per_s=bytes_per_s, grad_bytes=int(grad_mib * MiB))
+    assert auto.cap_bytes == int(cap_mib * MiB) and auto.bound == bound, auto
+    assert auto.to_dict()["cap_bytes"] == auto.cap_bytes
+
+
+def test_auto_cap_is_refused_where_no_bucket_of_ours_exists_and_bad_strings_name_the_choices():
+    from compile_core.config import CompileConfig
+
+    assert CompileConfig(bucket_cap_mb="auto", backend="eager").auto_cap
+    with pytest.raises(ValueError, match="ddp='torch' plans none"):
+        CompileConfig(bucket_cap_mb="auto", ddp="torch", backend="eager")
+    with pytest.raises(TypeError, match="'auto'"):
+        CompileConfig(bucket_cap_mb="25MB", backend="eager")
+    # the user's first-bucket cap is kept, clamped to the measured cap
+    cfg = CompileConfig(bucket_cap_mb="auto", first_bucket_cap_mb=4, backend="eager")
+    assert cfg.caps(None, auto_cap_bytes=2 * MiB) == (2 * MiB, 2 * MiB)
