@@ -285,27 +285,38 @@ def saved_count(backward: fx.Graph) -> int:
 def save_for_backward(forward: fx.GraphModule, backward: fx.GraphModule, fw_node: fx.Node) -> fx.Node:
     """Make the partitioned `forward` save `fw_node` for `backward`; return its placeholder there.
 
-    AOTAutograd's partitioned graphs talk through the forward's extra outputs: after the user
-    outputs come the saved tensors, then the saved symbolic sizes; the backward's placeholders list
-    the same values in the same order, then the tangents (`_functorch/partitioners.py`,
-    `_aot_autograd/graph_compile.py`, which counts saved values from these graphs). A value already
-    saved is reused. Call before the graphs are compiled.
+    AOTAutograd's partitioned graphs talk through the forward's extra outputs, in two different
+    orders (`_functorch/partitioners.py`, `_extract_fwd_bwd_modules`): the forward returns its user
+    outputs, then the saved tensors, then the saved symbolic sizes; the backward's placeholders are
+    the saved symbolic sizes first, then the saved tensors, then the tangents (the runtime passes
+    `*ctx.symints, *ctx.saved_tensors, ...`, `_aot_autograd/runtime_wrappers.py`). So the saved
+    tensors pair up in order, and a new one goes after the last saved tensor on both sides (after
+    the sizes in the backward). `_aot_autograd/graph_compile.py` counts saved values from these
+    graphs. A value already saved is reused. Call before the graphs are compiled.
     """
     fw_out = next(n for n in forward.graph.nodes if n.op == "output")
     outputs = list(fw_out.args[0])
-    bw_placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
     n_saved = saved_count(backward.graph)
     saved = outputs[len(outputs) - n_saved :]
-    for value, placeholder in zip(saved, bw_placeholders):
+    bw_saved = [n for n in backward.graph.nodes if n.op == "placeholder"][:n_saved]
+    is_tensor = lambda n: isinstance(n.meta.get("val"), torch.Tensor)  # noqa: E731
+    fw_tensors = [n for n in saved if is_tensor(n)]
+    bw_tensors = [n for n in bw_saved if is_tensor(n)]
+    if len(fw_tensors) != len(bw_tensors):
+        raise AssertionError(
+            f"AOTAutograd's forward saves {len(fw_tensors)} tensors but its backward takes {len(bw_tensors)}"
+        )
+    for value, placeholder in zip(fw_tensors, bw_tensors):
         if value is fw_node:
             return placeholder
-    tensors = [n for n in saved if isinstance(n.meta.get("val"), torch.Tensor)]
-    position = len(outputs) - n_saved + len(tensors)  # saved tensors come before saved sizes
+    position = len(outputs) - n_saved + len(fw_tensors)  # saved tensors come before saved sizes
     outputs.insert(position, fw_node)
     fw_out.args = (tuple(outputs),)
-    anchor = bw_placeholders[len(tensors) - 1] if tensors else None
+    sizes = [n for n in bw_saved if not is_tensor(n)]
+    anchor = bw_tensors[-1] if bw_tensors else (sizes[-1] if sizes else None)
     if anchor is None:
-        with backward.graph.inserting_before(bw_placeholders[0] if bw_placeholders else None):
+        first = next((n for n in backward.graph.nodes if n.op == "placeholder"), None)
+        with backward.graph.inserting_before(first):
             placeholder = backward.graph.placeholder(f"saved_{fw_node.name}")
     else:
         with backward.graph.inserting_after(anchor):

@@ -108,6 +108,15 @@ def regression_data(rank: int, n: int, device: torch.device) -> list:
     ]
 
 
+def last_batch_smaller(rank: int, n: int, device: torch.device) -> list:
+    """`regression_data` whose last batch is smaller (a dataset that does not divide by the batch size):
+    the graph is compiled again with a dynamic batch dimension."""
+    data = regression_data(rank, n, device)
+    (x,), y = data[-1]
+    data[-1] = ((x[:5],), y[:5])
+    return data
+
+
 def aux_on_head_bias(out, target, model, step):
     """mse + a rank-dependent auxiliary term on `head.bias`, computed outside the model (eager code)."""
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -14,7 +14,16 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from tests.multi_gpu.ddp_compare import ok, run_scenarios
-from tests.multi_gpu.field_models import Branchy, Halve, Headed, Mixed, aux_on_head_bias, halve_hook, regression_data
+from tests.multi_gpu.field_models import (
+    Branchy,
+    Halve,
+    Headed,
+    Mixed,
+    aux_on_head_bias,
+    halve_hook,
+    last_batch_smaller,
+    regression_data,
+)
 from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
 from tests.ranks import run_ranks
 
@@ -106,6 +115,7 @@ SCENARIOS = {
     "sgd_clip": lambda r: _step(r, _script(make_opt=sgd, clip=0.05)),
     "sgd_clip_unclipped": lambda r: _unclipped(r, _script(make_opt=sgd, clip=0.05)),
     "accumulation": lambda r: _step(r, _script(make_opt=adamw, accum=2)),
+    "last_batch_smaller": lambda r: _step(r, _script(make_opt=adamw, data=last_batch_smaller)),
 }
 
 
@@ -139,6 +149,18 @@ def test_updates_inside_the_backward_like_the_eager_script(results, name):
     per_rank = ok(results, name)
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
     _assert_in_backward(per_rank)
+
+
+def test_a_smaller_last_batch_recompiles_dynamic_and_still_updates_in_the_backward(results):
+    # The dynamic graph saves symbolic sizes for its backward, which AOTAutograd passes before the
+    # saved tensors: the update must read the parameters and state it was planned for, not neighbours.
+    per_rank = ok(results, "last_batch_smaller")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    _assert_in_backward(per_rank)
+    report = per_rank[0]["report"]
+    assert len(report["graphs"]) >= 2, "the smaller batch compiled no second graph: nothing dynamic was tested"
+    assert report["in_graph"]["fallbacks"] == [], report["in_graph"]["fallbacks"]
+    assert report["fallbacks"] == [], report["fallbacks"]
 
 
 @pytest.mark.parametrize("name", ["aux_loss_sgd", "aux_loss_adamw"])

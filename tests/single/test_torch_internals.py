@@ -426,7 +426,7 @@ def test_an_error_raised_in_a_backend_is_found_inside_dynamos_wrapper():
 # -- the AOT graph internals of ddp="in_graph" ----------------------------------------------------------
 
 
-def _partitioned(fn, *inputs):
+def _partitioned(fn, *inputs, dynamic=None):
     """The joint graph, and the forward/backward graphs AOTAutograd partitions it into, for `fn`."""
     from functorch.compile import min_cut_rematerialization_partition
 
@@ -440,7 +440,7 @@ def _partitioned(fn, *inputs):
     backend = torch_dynamo.aot_autograd_backend(
         fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward, partition_fn=partition
     )
-    torch.compile(fn, backend=backend)(*inputs).sum().backward()
+    torch.compile(fn, backend=backend, dynamic=dynamic)(*inputs).sum().backward()
     return seen
 
 
@@ -470,6 +470,30 @@ def test_a_forward_input_can_be_saved_for_the_backward():
         fw.recompile()
         bw.recompile()
         assert placeholder.name in bw.code
+
+
+def test_saved_tensors_pair_up_when_symbolic_sizes_are_saved_too():
+    # The forward returns saved tensors then saved sizes; the backward takes the sizes first.
+    with canary("aot/torch_dynamo.py:save_for_backward"):
+        w = torch.randn(4, requires_grad=True)
+        seen = _partitioned(
+            lambda x, b: (x.sum(0) * w).sin() + b.sum(), torch.randn(3, 4), torch.randn(5, 4), dynamic=True
+        )
+        fw, bw = seen["fw"], seen["bw"]
+        n_saved = torch_dynamo.saved_count(bw.graph)
+        fw_saved = list(next(n for n in fw.graph.nodes if n.op == "output").args[0])[-n_saved:]
+        is_tensor = lambda n: isinstance(n.meta.get("val"), torch.Tensor)  # noqa: E731
+        assert not is_tensor(fw_saved[-1]), "no symbolic size saved: the order would not matter here"
+        for value in filter(is_tensor, fw_saved):  # already saved: found, by the name it keeps in the backward
+            assert torch_dynamo.save_for_backward(fw, bw, value).name == value.name
+        unsaved = next(n for n in fw.graph.nodes if n.op == "placeholder" and is_tensor(n) and n not in fw_saved)
+        torch_dynamo.save_for_backward(fw, bw, unsaved)
+        n_saved = torch_dynamo.saved_count(bw.graph)
+        fw_tensors = [n.name for n in list(next(n for n in fw.graph.nodes if n.op == "output").args[0])[-n_saved:]]
+        bw_saved = [n for n in bw.graph.nodes if n.op == "placeholder"][:n_saved]
+        bw_tensors = [n.name.removeprefix("saved_") for n in bw_saved if is_tensor(n)]
+        assert [n for n in fw_tensors if n in bw_tensors] == bw_tensors and unsaved.name in bw_tensors
+        assert not is_tensor(bw_saved[0]), "the backward takes the saved sizes first"
 
 
 def test_the_saved_values_are_the_backward_inputs_before_the_tangents():
