@@ -85,6 +85,17 @@ def ignored_names(ddp: DistributedDataParallel) -> frozenset[str]:
     return frozenset(getattr(ddp, "parameters_to_ignore", ()) or ())
 
 
+def has_gradient_hooks(param: torch.Tensor) -> bool:
+    """Whether a hook transforms or reads `param`'s local gradient before DDP would reduce it.
+
+    `Tensor.register_hook` on a leaf keeps its hooks in `_backward_hooks` and
+    `register_post_accumulate_grad_hook` in `_post_accumulate_grad_hooks` (`torch/_tensor.py`); both
+    run at the parameter's AccumulateGrad, where eager DDP's reducer hook also sits, so in eager DDP
+    they see the rank's own gradient. A removed hook leaves an empty dict behind.
+    """
+    return bool(getattr(param, "_backward_hooks", None)) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
 def reducer_params(ddp: DistributedDataParallel) -> tuple[list[torch.nn.Parameter], list[bool]]:
     """The parameters DDP's reducer indexes, in its order, and their sparse-gradient flags.
 

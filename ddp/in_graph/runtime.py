@@ -104,6 +104,8 @@ class InGraphReducer:
         )
         self.outside: dict[int, str] = {}
         """Parameters with gradient producers besides one compiled graph: reduced after the backward."""
+        self.hooked: dict[int, str] = {}
+        """Parameters with the user's gradient hooks: left out of the graphs' buckets (see `plan`)."""
         self.fallbacks: list[dict[str, str]] = []
         """Graphs whose collectives could not be placed in the backward: {"graph", "reason"}."""
         self._user_sync = True
@@ -147,6 +149,7 @@ class InGraphReducer:
         return {
             **self.reduction.to_dict(),
             "outside_graph": sorted(self.outside.values()),
+            "gradient_hooks": sorted(self.hooked.values()),
             "leftovers_last_step": list(self.last_leftovers),
             "fallbacks": list(self.fallbacks),
             "find_unused_parameters": self._leftovers.find_unused,
@@ -261,6 +264,12 @@ class InGraphReducer:
             name = self.names.get(id(value))
             if name is None or name in self.ignored or id(value) not in self._by_id or id(value) in self.outside:
                 continue
+            if torch_ddp.has_gradient_hooks(value):
+                # Eager DDP reduces what the user's hook returns (a clamp, a mask, a non-linear rescale),
+                # and a post-accumulate hook sees the local gradient: the graph hands this one back
+                # un-reduced, the hooks run on it as in eager DDP, and it is reduced after the backward.
+                self._note_hooked(id(value), name)
+                continue
             info = ParamInfo(
                 name=name, nbytes=value.numel() * value.element_size(), key=f"{value.dtype}/{value.device}"
             )
@@ -268,6 +277,16 @@ class InGraphReducer:
         ordered = ready_order(gm.graph, slots)
         cap, first = self.caps
         return plan_grad_buckets(ordered, bucket_cap_bytes=cap, first_bucket_cap_bytes=first), ordered
+
+    def _note_hooked(self, pid: int, name: str) -> None:
+        if pid not in self.hooked:
+            self.hooked[pid] = name
+            log.warning(
+                "compile_core: ddp='in_graph': %s has a gradient hook (register_hook / "
+                "register_post_accumulate_grad_hook); DDP reduces what the hook returns, so its gradient leaves the "
+                "compiled backward un-reduced and is all-reduced after the backward",
+                name,
+            )
 
     def compile(
         self,

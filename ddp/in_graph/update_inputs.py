@@ -64,6 +64,8 @@ def update_inputs(
     if graph_break_of(gm) is not None:
         return UpdateInputs(None, "the model does not compile into one graph (graph break)", None)
     indices = sorted(plan.input_indices())
+    if not indices:
+        return UpdateInputs(None, "this graph reduces no parameter inside its backward (see in_graph's report)", [])
     templates = {i: t for i in indices if (t := provider.template_for(inputs[i])) is not None}
     # No template: not in the optimizer, or no state yet (a branch that joined late). Its
     # reduced gradient is returned and the normal optimizer step updates it after the backward.

@@ -124,6 +124,13 @@ def aux_on_head_bias(out, target, model, step):
     return torch.nn.functional.mse_loss(out, target) + 0.1 * (model.head.bias * weights).sum()
 
 
+def clamp_grad_hooks(ddp) -> None:
+    """Clip-by-value through gradient hooks on the head and the first layer (registered after wrapping):
+    eager DDP averages the clamped local gradients, which is not the clamp of the average."""
+    for p in [*ddp.module.head.parameters(), *ddp.module.body[0].parameters()]:
+        p.register_hook(lambda g: g.clamp(-0.02, 0.02))
+
+
 class Halve:
     """A custom comm hook's state: DDP's all-reduce, then scale the result by 0.5."""
 

@@ -20,6 +20,7 @@ from tests.multi_gpu.field_models import (
     Headed,
     Mixed,
     aux_on_head_bias,
+    clamp_grad_hooks,
     halve_hook,
     last_batch_smaller,
     regression_data,
@@ -116,6 +117,7 @@ SCENARIOS = {
     "sgd_clip_unclipped": lambda r: _unclipped(r, _script(make_opt=sgd, clip=0.05)),
     "accumulation": lambda r: _step(r, _script(make_opt=adamw, accum=2)),
     "last_batch_smaller": lambda r: _step(r, _script(make_opt=adamw, data=last_batch_smaller)),
+    "gradient_hooks_clamp": lambda r: _step(r, _script(make_opt=adamw, setup=clamp_grad_hooks)),
 }
 
 
@@ -149,6 +151,18 @@ def test_updates_inside_the_backward_like_the_eager_script(results, name):
     per_rank = ok(results, name)
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
     _assert_in_backward(per_rank)
+
+
+def test_parameters_with_gradient_hooks_are_updated_by_the_normal_step_from_the_hooked_average(results):
+    per_rank = ok(results, "gradient_hooks_clamp")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    _assert_in_backward(per_rank, kept=4)  # the hooked ones, updated right after the backward
+    assert per_rank[0]["report"]["in_graph"]["gradient_hooks"] == [
+        "body.0.bias",
+        "body.0.weight",
+        "head.bias",
+        "head.weight",
+    ]
 
 
 def test_a_smaller_last_batch_recompiles_dynamic_and_still_updates_in_the_backward(results):

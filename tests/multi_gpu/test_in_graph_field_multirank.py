@@ -23,6 +23,7 @@ from tests.multi_gpu.field_models import (
     Headed,
     aux_on_head_bias,
     bf16_by_hand,
+    clamp_grad_hooks,
     halve_hook,
     regression_data,
 )
@@ -92,6 +93,7 @@ SCENARIOS = {
     "zero_grad_after_forward": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, steps=4)),
     "zero_grad_after_forward_accumulating": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, accum=2)),
     "graph_break_no_sync_accumulation": lambda r: _in_graph(r, _script(make_model=BrokenHeaded, accum=2)),
+    "gradient_hooks_clamp": lambda r: _in_graph(r, _script(setup=clamp_grad_hooks)),
 }
 
 
@@ -143,6 +145,19 @@ def _reduced_in_graph(report: dict) -> set[str]:
         for b in g["buckets"]
         for n in b["params"]
     }
+
+
+HOOKED = ["body.0.bias", "body.0.weight", "head.bias", "head.weight"]
+
+
+def test_gradient_hooks_see_the_local_gradient_as_in_eager_ddp(results):
+    """A clamp hook (clip by value) on some parameters: DDP averages the clamped local gradients."""
+    per_rank = ok(results, "gradient_hooks_clamp")
+    assert_like_eager(per_rank)
+    report = per_rank[0]["report"]
+    assert report["in_graph"]["gradient_hooks"] == HOOKED
+    assert not set(HOOKED) & _reduced_in_graph(report), "a hooked parameter was reduced before its hook ran"
+    assert "body.2.weight" in _reduced_in_graph(report)
 
 
 def test_an_auxiliary_loss_on_a_model_parameter_is_reduced_whole(results):

@@ -114,6 +114,17 @@ def test_ignored_names_are_ddps_parameters_to_ignore():
         assert torch_ddp.ignored_names(DDP(model)) == frozenset({"1.weight"})
 
 
+def test_gradient_hooks_on_a_parameter_are_seen_until_removed():
+    with canary("ddp/torch_ddp.py:has_gradient_hooks"):
+        p, q = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+        assert not torch_ddp.has_gradient_hooks(p)
+        handle = p.register_hook(lambda g: g.clamp(-1, 1))
+        q.register_post_accumulate_grad_hook(lambda t: None)
+        assert torch_ddp.has_gradient_hooks(p) and torch_ddp.has_gradient_hooks(q)
+        handle.remove()
+        assert not torch_ddp.has_gradient_hooks(p)
+
+
 def test_reducer_params_are_the_trainable_parameters_in_order():
     with canary("ddp/torch_ddp.py:reducer_params"):
         ddp = two_layers()
