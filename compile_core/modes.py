@@ -253,6 +253,15 @@ class InGraphMode(CompileMode):
         self._reducer.after_forward(output)
 
     def before_forward(self) -> None:
+        if torch.is_grad_enabled() and torch_ddp.join_enabled(self.ctx.ddp):
+            # A rank that ran out of inputs shadows the all-reduces of DDP's reducer buckets, not the
+            # ones inside our compiled backward: sizes and counts would not match (a hang on nccl,
+            # an abort on gloo). Every rank runs at least this first forward inside join(): all refuse.
+            raise RuntimeError(
+                "ddp='in_graph' cannot run inside DistributedDataParallel.join() (uneven inputs): a rank that "
+                "joins early shadows DDP's reducer buckets, not the all-reduces compiled into the backward. "
+                "Use ddp='split' (DDP's reducer keeps its join hooks), or give every rank the same number of batches"
+            )
         self._reducer.before_forward()
 
     def report_fields(self) -> dict[str, Any]:

@@ -85,6 +85,14 @@ def ignored_names(ddp: DistributedDataParallel) -> frozenset[str]:
     return frozenset(getattr(ddp, "parameters_to_ignore", ()) or ())
 
 
+def join_enabled(ddp: DistributedDataParallel) -> bool:
+    """Whether `ddp.join()` (uneven inputs) is on: `Join` sets each joinable's `_join_config`
+    (`torch/distributed/algorithms/join.py`), and DDP's forward then tells early-joined ranks, which
+    shadow its reducer's all-reduces, whether to sync."""
+    config = getattr(ddp, "_join_config", None)
+    return bool(config is not None and config.enable)
+
+
 def has_gradient_hooks(param: torch.Tensor) -> bool:
     """Whether a hook transforms or reads `param`'s local gradient before DDP would reduce it.
 

@@ -94,7 +94,37 @@ SCENARIOS = {
     "zero_grad_after_forward_accumulating": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, accum=2)),
     "graph_break_no_sync_accumulation": lambda r: _in_graph(r, _script(make_model=BrokenHeaded, accum=2)),
     "gradient_hooks_clamp": lambda r: _in_graph(r, _script(setup=clamp_grad_hooks)),
+    "join_uneven_inputs_split": lambda r: _join(r, "split"),
+    "join_uneven_inputs_in_graph": lambda r: _join(r, "in_graph"),
 }
+
+
+def _join(rank: int, mode: str) -> dict:
+    """`with ddp.join():` over 3 batches on rank 0 and 5 on rank 1, against the same eager DDP loop."""
+    import compile_core
+
+    torch.manual_seed(0)
+    model = to_rank_device(Headed())
+    ref = to_rank_device(Headed())
+    ref.load_state_dict(model.state_dict())
+    data = regression_data(rank, 3 if rank == 0 else 5, rank_device(rank))
+    out: dict = {}
+    for tag, module in (("ours", model), ("ref", ref)):
+        ddp = wrap_ddp(module, bucket_cap_mb=CAP_MB)
+        run = ddp if tag == "ref" else compile_core.compile(ddp, backend="aot_eager", ddp=mode, bucket_cap_mb=CAP_MB)
+        opt = torch.optim.SGD(module.parameters(), lr=0.05)
+        try:
+            with ddp.join():
+                for (x,), y in data:
+                    torch.nn.functional.mse_loss(run(x), y).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        except RuntimeError as err:
+            out["refused"] = str(err)
+            return out
+    out["params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    out["ref"] = {n: p.detach().cpu().clone() for n, p in ref.named_parameters()}
+    return out
 
 
 def _long_run(rank: int, steps: int = 1000) -> dict:
@@ -158,6 +188,21 @@ def test_gradient_hooks_see_the_local_gradient_as_in_eager_ddp(results):
     assert report["in_graph"]["gradient_hooks"] == HOOKED
     assert not set(HOOKED) & _reduced_in_graph(report), "a hooked parameter was reduced before its hook ran"
     assert "body.2.weight" in _reduced_in_graph(report)
+
+
+def test_uneven_inputs_under_join_train_like_eager_ddp_in_split_mode(results):
+    for rank, r in enumerate(ok(results, "join_uneven_inputs_split")):
+        assert "refused" not in r, r["refused"]
+        for name, p in r["params"].items():
+            torch.testing.assert_close(
+                p, r["ref"][name], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
+
+
+def test_uneven_inputs_under_join_are_refused_by_name_in_graph_mode(results):
+    """No collective mismatch (an abort on gloo, a hang on nccl): every rank refuses at its first forward."""
+    for r in ok(results, "join_uneven_inputs_in_graph"):
+        assert "join()" in r.get("refused", "") and "ddp='split'" in r["refused"], r
 
 
 def test_an_auxiliary_loss_on_a_model_parameter_is_reduced_whole(results):

@@ -114,6 +114,17 @@ def test_ignored_names_are_ddps_parameters_to_ignore():
         assert torch_ddp.ignored_names(DDP(model)) == frozenset({"1.weight"})
 
 
+def test_join_is_seen_on_the_ddp_object():
+    with canary("ddp/torch_ddp.py:join_enabled"):
+        ddp = two_layers()
+        assert not torch_ddp.join_enabled(ddp)
+        with ddp.join():
+            assert torch_ddp.join_enabled(ddp)
+        off = two_layers()
+        with off.join(enable=False):
+            assert not torch_ddp.join_enabled(off)
+
+
 def test_gradient_hooks_on_a_parameter_are_seen_until_removed():
     with canary("ddp/torch_ddp.py:has_gradient_hooks"):
         p, q = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
