@@ -8,7 +8,7 @@ variant does is read from `accumulates` / `updates_in_backward`, never from its 
 
 from __future__ import annotations
 
-from ddp.agreement import RankAgreement
+from ddp.agreement import RankAgreement, RankMismatchError
 
 VARIANTS = ("local", "reduce", "reduce_acc", "reduce_update", "reduce_acc_update")
 """local: no collective (no_sync, no grad); reduce: all-reduce per bucket; _acc: plus the gradients
@@ -65,7 +65,16 @@ class GraphsAgreement:
             return False
         timeouts = self.agreement.timeouts
         wait = timeouts.first_timeout_s if compiled_this_step else timeouts.timeout_s
-        self.agreement.agree("graphs run", signature, describe=describe_signature, timeout_s=wait)
+        try:
+            self.agreement.agree("graphs run", signature, describe=describe_signature, timeout_s=wait)
+        except RankMismatchError as err:
+            # Raised on every rank, before any of this step's collectives: nothing hangs.
+            raise RankMismatchError(
+                f"{err}\nddp='in_graph' needs every rank to run the same compiled graphs in a step (each "
+                "graph's backward issues its own all-reduces); these ranks took different paths (control flow "
+                "that depends on the rank or its data, or a recompile on one rank). Use ddp='split': DDP's reducer "
+                "keeps doing the reduction (with find_unused_parameters=True for branches some ranks skip)"
+            ) from err
         self.agreed = signature
         return True
 

@@ -94,9 +94,32 @@ SCENARIOS = {
     "zero_grad_after_forward_accumulating": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, accum=2)),
     "graph_break_no_sync_accumulation": lambda r: _in_graph(r, _script(make_model=BrokenHeaded, accum=2)),
     "gradient_hooks_clamp": lambda r: _in_graph(r, _script(setup=clamp_grad_hooks)),
+    "rank_dependent_branch_split": lambda r: run_against_eager(
+        _rank_branch_script(), r, how="compile", ddp="split", bucket_cap_mb=CAP_MB
+    ),
+    "rank_dependent_branch_in_graph": lambda r: _refused(lambda: _in_graph(r, _rank_branch_script())),
     "join_uneven_inputs_split": lambda r: _join(r, "split"),
     "join_uneven_inputs_in_graph": lambda r: _join(r, "in_graph"),
 }
+
+
+def _rank_branch_script() -> Script:
+    """`extra` runs on rank 0 only (control flow on the rank), find_unused_parameters=True: eager DDP copes."""
+
+    def before(model, step):
+        model.use_extra = dist.get_rank() == 0
+
+    return _script(make_model=Branchy, before_step=before, ddp_kwargs={"find_unused_parameters": True})
+
+
+def _refused(fn) -> dict:
+    from ddp.agreement import RankMismatchError
+
+    try:
+        fn()
+    except RankMismatchError as err:
+        return {"refused": str(err)}
+    return {"refused": ""}
 
 
 def _join(rank: int, mode: str) -> dict:
@@ -188,6 +211,14 @@ def test_gradient_hooks_see_the_local_gradient_as_in_eager_ddp(results):
     assert report["in_graph"]["gradient_hooks"] == HOOKED
     assert not set(HOOKED) & _reduced_in_graph(report), "a hooked parameter was reduced before its hook ran"
     assert "body.2.weight" in _reduced_in_graph(report)
+
+
+def test_a_branch_taken_on_one_rank_only(results):
+    """Eager DDP with find_unused_parameters=True reduces it; split mode does too; in_graph, whose graphs
+    carry the collectives, refuses on every rank before any collective, naming the way out."""
+    assert_like_eager(ok(results, "rank_dependent_branch_split"))
+    for r in ok(results, "rank_dependent_branch_in_graph"):
+        assert "differ from rank 0 on 'graphs run'" in r["refused"] and "ddp='split'" in r["refused"], r
 
 
 def test_uneven_inputs_under_join_train_like_eager_ddp_in_split_mode(results):
