@@ -124,7 +124,7 @@ class DDPOptionBlocker:
     """The same, for people."""
 
 
-BLOCKING_OPTIONS = ("python_reducer", "mixed_precision", "delayed_all_reduce", "static_graph")
+BLOCKING_OPTIONS = ("python_reducer", "mixed_precision", "delayed_all_reduce", "static_graph", "sparse_gradients")
 
 
 def reducer_swap_blocker(ddp: DistributedDataParallel) -> DDPOptionBlocker | None:

@@ -23,6 +23,15 @@ def in_graph_blocker(ddp: DistributedDataParallel) -> torch_ddp.DDPOptionBlocker
     blocker = torch_ddp.reducer_swap_blocker(ddp)
     if blocker is not None and blocker.option != "static_graph":  # static_graph only orders DDP's own buckets
         return blocker
+    params, sparse = torch_ddp.reducer_params(ddp)
+    if any(sparse):
+        names = {id(p): n for n, p in ddp.module.named_parameters()}
+        which = [names.get(id(p), "?") for p, s in zip(params, sparse) if s]
+        return torch_ddp.DDPOptionBlocker(
+            option="sparse_gradients",
+            text=f"{which} get sparse gradients (an embedding with sparse=True), which DDP all-reduces as sparse "
+            "tensors and a compiled backward's dense buckets cannot",
+        )
     return None
 
 

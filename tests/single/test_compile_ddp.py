@@ -189,6 +189,24 @@ def test_ddp_modes(mode, pieces):
     assert sum(g["pieces"] for g in report["graphs"]) == pieces
 
 
+def test_in_graph_refuses_sparse_gradients_by_name():
+    class Bag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 4, sparse=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, idx):
+            return self.head(self.emb(idx))
+
+    with pytest.raises(ValueError, match=r"\['emb.weight'\] get sparse gradients.*use ddp='split'"):
+        compile_core.compile(DDP(Bag()), backend="aot_eager", ddp="in_graph")
+    bag = Bag()
+    compiled = compile_core.compile(DDP(bag), backend="aot_eager", ddp="split")
+    compiled(torch.tensor([[1, 2, 3]])).sum().backward()  # DDP's reducer all-reduces the sparse gradient
+    assert bag.emb.weight.grad.is_sparse
+
+
 def test_torch_mode_uses_pytorchs_ddp_optimizer():
     # PyTorch's DDPOptimizer asserts on caps under its 1 MiB first bucket, so this uses 1 MiB layers.
     make = lambda: mlp(3, 512)  # noqa: E731
