@@ -222,6 +222,11 @@ class CompileReport:
                     "    reduced after the backward (gradients from outside one graph): "
                     + ", ".join(ig["outside_graph"])
                 )
+            if ig.get("gradient_hooks"):
+                out.append(
+                    "    reduced after the backward (their gradient hooks see the local gradient): "
+                    + ", ".join(ig["gradient_hooks"])
+                )
             for f in ig.get("fallbacks", ()):
                 out.append(f"    {f['graph']}: all-reduced after the backward: {f['reason']}")
         sections = (

@@ -6,6 +6,7 @@
 * `variants.py` -- which compiled variant a step runs, and the ranks' agreement on the graphs it ran;
 * `policy.py` -- which reduction a comm hook asks for (compiled in, or left to DDP's reducer);
 * `probe.py` -- finds parameters with gradient producers outside a single compiled graph;
+* `after_backward.py` -- which parameters are left to the reduction after the backward (outside, hooked);
 * `leftovers.py` -- the reduction after the backward of what the graphs did not reduce alone.
 """
 

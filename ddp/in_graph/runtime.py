@@ -57,6 +57,7 @@ from ddp import torch_ddp
 from ddp.agreement import RankAgreement
 from ddp.bucketing import ParamInfo
 from ddp.bucketing.grad_buckets import GradBucketPlan, GradSlot, plan_grad_buckets, ready_order
+from ddp.in_graph.after_backward import AfterBackward
 from ddp.in_graph.graph_pass import UpdateSpec
 from ddp.in_graph.leftovers import LeftoverReducer
 from ddp.in_graph.partitioner import InGraphPartitioner
@@ -102,10 +103,8 @@ class InGraphReducer:
         self._leftovers = LeftoverReducer(
             group=self.group, world_size=self.world_size, find_unused=bool(ddp.find_unused_parameters), names=names
         )
-        self.outside: dict[int, str] = {}
-        """Parameters with gradient producers besides one compiled graph: reduced after the backward."""
-        self.hooked: dict[int, str] = {}
-        """Parameters with the user's gradient hooks: left out of the graphs' buckets (see `plan`)."""
+        self.after = AfterBackward(names)
+        """Parameters reduced after the backward instead of inside a graph (outside producers, hooks)."""
         self.fallbacks: list[dict[str, str]] = []
         """Graphs whose collectives could not be placed in the backward: {"graph", "reason"}."""
         self._user_sync = True
@@ -148,8 +147,7 @@ class InGraphReducer:
     def to_dict(self) -> dict[str, Any]:
         return {
             **self.reduction.to_dict(),
-            "outside_graph": sorted(self.outside.values()),
-            "gradient_hooks": sorted(self.hooked.values()),
+            **self.after.to_dict(),
             "leftovers_last_step": list(self.last_leftovers),
             "fallbacks": list(self.fallbacks),
             "find_unused_parameters": self._leftovers.find_unused,
@@ -196,7 +194,7 @@ class InGraphReducer:
         self._updated = set().union(*(updated for _, _, updated, _ in runs))
         signature = tuple(entry for entry, _, _, _ in runs)
         if self._graphs_run.agree(signature, compiled_this_step=self._compiled_this_step):
-            probed = {i for covered in self._covered for i in covered if i not in self.outside}
+            probed = {i for covered in self._covered for i in covered if i not in self.after}
             self._probe = OutsideGradientProbe([out for *_, out in runs], [self._by_id[i] for i in probed])
         self._armed = False
         for t in tree_leaves(output):
@@ -262,13 +260,13 @@ class InGraphReducer:
             if not isinstance(value, torch.nn.Parameter) or not value.requires_grad:
                 continue
             name = self.names.get(id(value))
-            if name is None or name in self.ignored or id(value) not in self._by_id or id(value) in self.outside:
+            if name is None or name in self.ignored or id(value) not in self._by_id or id(value) in self.after:
                 continue
             if torch_ddp.has_gradient_hooks(value):
                 # Eager DDP reduces what the user's hook returns (a clamp, a mask, a non-linear rescale),
                 # and a post-accumulate hook sees the local gradient: the graph hands this one back
                 # un-reduced, the hooks run on it as in eager DDP, and it is reduced after the backward.
-                self._note_hooked(id(value), name)
+                self.after.note_hooked(id(value), name)
                 continue
             info = ParamInfo(
                 name=name, nbytes=value.numel() * value.element_size(), key=f"{value.dtype}/{value.device}"
@@ -277,16 +275,6 @@ class InGraphReducer:
         ordered = ready_order(gm.graph, slots)
         cap, first = self.caps
         return plan_grad_buckets(ordered, bucket_cap_bytes=cap, first_bucket_cap_bytes=first), ordered
-
-    def _note_hooked(self, pid: int, name: str) -> None:
-        if pid not in self.hooked:
-            self.hooked[pid] = name
-            log.warning(
-                "compile_core: ddp='in_graph': %s has a gradient hook (register_hook / "
-                "register_post_accumulate_grad_hook); DDP reduces what the hook returns, so its gradient leaves the "
-                "compiled backward un-reduced and is all-reduced after the backward",
-                name,
-            )
 
     def compile(
         self,
@@ -387,7 +375,7 @@ class InGraphReducer:
         if self._probe is not None:
             found = self._probe.close()
             self._probe = None
-            self._learn_outside(found)
+            self.after.learn_outside(found, self.agreement, self.params)
         late = [self.names.get(i, "?") for i in self._updated if self._by_id[i].grad is not None]
         if late:
             raise RuntimeError(
@@ -397,21 +385,6 @@ class InGraphReducer:
                 "optimizer_in_backward=False, for a model whose parameters are used outside the compiled graph"
             )
         had, self._had_grad = self._had_grad, set()
-        leftovers = [p for p in self.params if id(p) not in covered or id(p) in self.outside or id(p) in had]
+        leftovers = [p for p in self.params if id(p) not in covered or id(p) in self.after or id(p) in had]
         self.last_leftovers = self._leftovers.reduce(leftovers, self.reduction.wire_dtype)
         self.grads_kept = sum(p.grad is not None for p in self.params)
-
-    def _learn_outside(self, found: set[int]) -> None:
-        mine = sorted(self.names.get(i, "?") for i in found)
-        everyone = self.agreement.exchange("outside gradients", mine)
-        names = sorted(set().union(*everyone.values()))
-        by_name = {self.names.get(id(p)): p for p in self.params}
-        new = {id(by_name[n]): n for n in names if n in by_name and id(by_name[n]) not in self.outside}
-        if new:
-            self.outside.update(new)
-            log.warning(
-                "compile_core: ddp='in_graph': %s also get gradients from outside a single compiled graph "
-                "(eager code, an auxiliary loss, another graph); they are all-reduced after the backward, "
-                "as DDP reduces their total",
-                sorted(new.values()),
-            )
