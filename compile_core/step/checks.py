@@ -46,6 +46,12 @@ def check_inputs(
             f"lr_scheduler={type(lr_scheduler).__name__} does not drive this optimizer: "
             "create it from the optimizer passed to train_step"
         )
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            "lr_scheduler=ReduceLROnPlateau steps on a metric (scheduler.step(val_loss)), which train_step does "
+            "not have: leave lr_scheduler unset and call scheduler.step(metric) yourself after validation; "
+            "train_step reads the learning rate it set at every update"
+        )
 
 
 def split_args(args: tuple[Any, ...], target: Any) -> tuple[tuple[Any, ...], Any]:

@@ -615,6 +615,9 @@ def test_optimizer_over_other_parameters_is_rejected(no_compile):
     own = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="lr_scheduler=StepLR does not drive this optimizer"):
         train_step(model, own, F.mse_loss, backend=BACKEND, lr_scheduler=sched)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(own)
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau steps on a metric.*scheduler\.step\(metric\) yourself"):
+        train_step(model, own, F.mse_loss, backend=BACKEND, lr_scheduler=plateau)
 
 
 def test_non_scalar_loss_is_rejected():
