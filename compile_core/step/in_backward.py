@@ -30,8 +30,8 @@ gradient and is updated by the normal `optimizer.step()` right after the backwar
 step: torch skips the parameters whose gradient is None, i.e. those already updated. With
 clipping, every gradient must be inside the graph (the global norm is taken there), else the whole
 update stays on the normal path. Only structural options are baked into the captured graph
-(weight decay or momentum on/off, nesterov, maximize, amsgrad): changing one switches back to the
-normal path, with the reason.
+(momentum on/off, nesterov, maximize, amsgrad): changing one switches back to the normal path, with
+the reason. Weight decay is always in the graph (0 decays by exactly nothing), so it may change freely.
 
 Debugging: `TrainStep.report()` has an `optimizer_in_backward` entry (active, reason, from which
 update); `TORCH_LOGS=output_code` shows the update kernels between the backward's kernels.
@@ -118,8 +118,8 @@ class OptimizerInBackward:
         return param in self.optimizer.state and bool(self.optimizer.state[param])
 
     def changed_hyperparameters(self) -> str | None:
-        """A structural option changed since `prepare` (weight decay or momentum turned on or off,
-        nesterov, maximize, amsgrad): the templates no longer fit. Values never matter: they are inputs."""
+        """A structural option changed since `prepare` (momentum turned on or off, nesterov, maximize,
+        amsgrad): the templates no longer fit. Values never matter: they are inputs."""
         for index, (group, baked) in enumerate(zip(self.optimizer.param_groups, self._baked)):
             now = _flags(self.optimizer, group)
             if now != baked:
@@ -162,7 +162,9 @@ class OptimizerInBackward:
 
 def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:
     """The options that decide the update's graph (every number is an input instead)."""
-    keys = {"weight_decay": group.get("weight_decay", 0) != 0, "maximize": bool(group.get("maximize"))}
+    # Weight decay is always in the graph: a decay of 0 multiplies by exactly 1 (AdamW) or adds exactly 0
+    # (Adam, SGD), so a decay schedule that starts at 0 never changes the graph.
+    keys = {"weight_decay": True, "maximize": bool(group.get("maximize"))}
     if isinstance(optimizer, torch.optim.SGD):
         keys.update(momentum=group["momentum"] != 0, nesterov=bool(group["nesterov"]))
     else:

@@ -68,6 +68,19 @@ def adamw_groups(model):
     )
 
 
+class DecayFromUpdate3(torch.optim.lr_scheduler.LRScheduler):
+    """A weight-decay warm-up written as a scheduler: no decay for two updates, then 0.1 (lr unchanged)."""
+
+    def get_lr(self):
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = 0.0 if self.last_epoch < 2 else 0.1
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+
+def adamw_no_decay(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+
+
 def _script(**kwargs) -> Script:
     kwargs.setdefault("make_model", Headed)
     kwargs.setdefault("data", regression_data)
@@ -118,6 +131,9 @@ SCENARIOS = {
     "accumulation": lambda r: _step(r, _script(make_opt=adamw, accum=2)),
     "last_batch_smaller": lambda r: _step(r, _script(make_opt=adamw, data=last_batch_smaller)),
     "gradient_hooks_clamp": lambda r: _step(r, _script(make_opt=adamw, setup=clamp_grad_hooks)),
+    "weight_decay_schedule_from_zero": lambda r: _step(
+        r, _script(make_opt=adamw_no_decay, make_sched=DecayFromUpdate3)
+    ),
 }
 
 
@@ -145,7 +161,16 @@ def _assert_in_backward(per_rank: list[dict], *, kept: int = 0) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["plain_sgd", "sgd_momentum_foreach", "adam_fused", "adamw_param_groups", "static_graph", "accumulation"]
+    "name",
+    [
+        "plain_sgd",
+        "sgd_momentum_foreach",
+        "adam_fused",
+        "adamw_param_groups",
+        "static_graph",
+        "accumulation",
+        "weight_decay_schedule_from_zero",
+    ],
 )
 def test_updates_inside_the_backward_like_the_eager_script(results, name):
     per_rank = ok(results, name)
