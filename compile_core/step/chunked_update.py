@@ -23,8 +23,10 @@ Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW, as `compile_core/st
   * clipping (`clip_grad_norm_` over all gradients) is its own compiled function, called first;
   * a parameter without a gradient has no optimizer state (unused so far, `find_unused_parameters`):
     the update in which one first has a gradient runs `optimizer.step()` eagerly, which creates its
-    state as torch does, and a chunk that was incomplete at update 1 is compiled when it first runs
-    with every gradient; a chunk missing a gradient in some update runs eagerly there, skipping it.
+    state as torch does. A chunk updates the parameters that have a gradient, as torch's step skips
+    the others: it is compiled for the set it has (a pooler that never gets a gradient leaves the rest
+    of its chunk compiled), up to `MAX_SUBSETS` different sets per chunk (experts that switch per
+    step), past which a set not seen before runs eagerly.
 The optimizer state tensors are the optimizer's own, updated in place, so `optimizer.state_dict()`
 is what an eager run gives. Optimizers with step hooks, other optimizer classes, differentiable or
 sparse groups keep `CompiledUpdate`.
@@ -55,6 +57,15 @@ class _Chunk:
     """`group0.blocks.3` or `group0.rest`."""
     params: list[torch.nn.Parameter]
     signature: tuple = ()
+    """Of all its parameters (set once they all had a gradient)."""
+    subsets: set = dataclasses.field(default_factory=set)
+    """Keys of the compiled variants of this chunk (one per set of parameters with a gradient)."""
+    present: list = dataclasses.field(default_factory=list)
+    """Its parameters with a gradient and optimizer state at update 1."""
+
+
+MAX_SUBSETS = 4
+"""Compiled variants per chunk for different sets of parameters with a gradient (see the Note)."""
 
 
 class ChunkedUpdate:
@@ -125,7 +136,9 @@ class ChunkedUpdate:
             norm = self._clip() if self._clip is not None else None
             with torch.no_grad():
                 for chunk in self._chunks:
-                    self._run(chunk, self._compiled_fn(chunk))
+                    present = [p for p in chunk.params if p.grad is not None]
+                    if present:  # torch's step skips parameters without a gradient: so do we
+                        self._run(chunk, self._compiled_fn(chunk, present), params=present)
         return norm
 
     def _resumed(self) -> bool:
@@ -165,15 +178,16 @@ class ChunkedUpdate:
         the functional update cannot create state, `optimizer.step()` does."""
         return any(p.grad is not None for p in self._stateless)
 
-    def _compiled_fn(self, chunk: _Chunk) -> Callable[..., Any] | None:
-        """The compiled update of this chunk's signature; compiled now (on the real tensors, by this
-        call) for a chunk that was incomplete at update 1. None while a gradient is missing."""
-        if any(p.grad is None for p in chunk.params):
-            return None
-        if not chunk.signature:
-            chunk.signature = self._signature(chunk)
-        key = (chunk.group, chunk.signature)
+    def _compiled_fn(self, chunk: _Chunk, present: list[torch.nn.Parameter]) -> Callable[..., Any] | None:
+        """The compiled update for these parameters of the chunk (those with a gradient); compiled now,
+        on the real tensors by this call, for a set not seen at update 1. None (eager) past
+        `MAX_SUBSETS` sets in this chunk."""
+        signature = chunk.signature if len(present) == len(chunk.params) and chunk.signature else None
+        key = (chunk.group, signature or self._signature(present))
         if key not in self._fns:
+            if len(chunk.subsets) >= MAX_SUBSETS:
+                return None
+            chunk.subsets.add(key)
             self._fns[key] = self.events.compile(
                 _UPDATES[type(self.optimizer)], self._recording(chunk.name), isolate_recompiles=True
             )
@@ -187,10 +201,14 @@ class ChunkedUpdate:
         self._stateless = self._without_state()
         stateless = set(map(id, self._stateless))
         for chunk in self._chunks:
-            if any(p.grad is None or id(p) in stateless for p in chunk.params):
-                continue  # compiled when it first runs complete (`_compiled_fn`)
-            chunk.signature = self._signature(chunk)
-            key = (chunk.group, chunk.signature)
+            chunk.present = [p for p in chunk.params if p.grad is not None and id(p) not in stateless]
+            if not chunk.present:
+                continue  # compiled when its parameters first have a gradient (`_compiled_fn`)
+            signature = self._signature(chunk.present)
+            if len(chunk.present) == len(chunk.params):
+                chunk.signature = signature
+            key = (chunk.group, signature)
+            chunk.subsets.add(key)
             if key in first:
                 self.records.append(
                     {
@@ -206,21 +224,21 @@ class ChunkedUpdate:
         # Each rank starts with another chunk, so that with claims they compile different ones at once.
         offset = rank_offset(len(distinct))
         for chunk in distinct[offset:] + distinct[:offset]:
-            key = (chunk.group, chunk.signature)
+            key = next(iter(chunk.subsets))
             fn = self.events.compile(
                 _UPDATES[type(self.optimizer)], self._recording(chunk.name), isolate_recompiles=True
             )
             self._fns[key] = fn
             # Copies as Parameters: Dynamo's guards check the tensor type too.
-            params = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in chunk.params]
-            for p, real in zip(params, chunk.params):
+            params = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in chunk.present]
+            for p, real in zip(params, chunk.present):
                 p.grad = real.grad.detach().clone()
             states = [
                 {
                     k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                     for k, v in self.optimizer.state[real].items()
                 }
-                for real in chunk.params
+                for real in chunk.present
             ]
             with torch.no_grad():
                 self._run(chunk, fn, params=params, states=states)
@@ -245,7 +263,7 @@ class ChunkedUpdate:
             time.perf_counter() - start,
         )
 
-    def _signature(self, chunk: _Chunk) -> tuple:
+    def _signature(self, params: list[torch.nn.Parameter]) -> tuple:
         def meta(t: Any) -> Any:
             if isinstance(t, torch.Tensor):
                 return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type)
@@ -253,7 +271,7 @@ class ChunkedUpdate:
 
         return tuple(
             (meta(p), meta(p.grad), tuple(sorted((k, meta(v)) for k, v in self.optimizer.state[p].items())))
-            for p in chunk.params
+            for p in params
         )
 
     def _recording(self, name: str) -> Callable[..., Any]:

@@ -237,6 +237,40 @@ def test_parameters_that_get_their_first_gradient_later_update_like_eager(opt_na
     assert step.report().to_dict()["optimizer"]["per_block"]
 
 
+class WithPooler(nn.Module):
+    """A pooler the loss never reaches (a classification head's pooler in token-level fine-tuning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.pooler = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)))
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
+def test_a_parameter_that_never_gets_a_gradient_leaves_the_update_compiled(opt_name):
+    def setup():
+        torch.manual_seed(0)
+        module = WithPooler()
+        model = DDP(module, find_unused_parameters=True)
+        return module, model, OPTIMIZERS[opt_name](model.parameters())
+
+    data = batches(4)
+    module, model, opt = setup()
+    _, ref_model, ref_opt = setup()
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    for x, y in data:
+        step(x, y)
+    eager_ddp_run(ref_model, ref_opt, None, data)
+    assert_params_close(model, ref_model)
+    report = step.report().to_dict()["optimizer"]
+    assert report["compiled"] and report["fallback_error"] is None, report
+    assert report["graphs"] >= 1 and not opt.state.get(module.pooler.weight)
+
+
 def test_optimizer_with_step_hooks_keeps_the_whole_step():
     model, opt, _ = make_setup("sgd_momentum")
     calls = []
