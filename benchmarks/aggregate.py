@@ -112,7 +112,7 @@ def aggregate_mode(jobs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
         out["compiles_after_warmup"] = steady_compiles
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for j in timing for r in j["ranks"])
     out["peak_rss_mb_per_rank"] = _per_rank_max(timing, "peak_rss_mb")
-    for key in ("steady_peak_rss_mb", "steady_peak_cuda_mb"):  # cuda: GPU ranks only
+    for key in ("steady_peak_rss_mb", "steady_growth_rss_mb", "steady_peak_cuda_mb"):  # cuda: GPU ranks only
         steady = _per_rank_max(timing, key)
         if any(v is not None for v in steady):
             out[f"{key}_per_rank"] = steady

@@ -53,15 +53,26 @@ class PeakTracker:
         self._before_reset = 0.0
         self.steady_mb: float | None = None
         """Peak RSS over the timed steps; None where the high-water mark cannot be reset."""
+        self.start_mb: float | None = None
+        """RSS when the timed steps began (the high-water mark right after the reset)."""
         self._reset = False
 
     def start_steady(self) -> None:
         self._before_reset = process_peak_rss_mb()
         self._reset = reset_peak()
+        self.start_mb = read_peak_mb() if self._reset else None
 
     def stop_steady(self) -> None:
         if self._reset and self.steady_mb is None:
             self.steady_mb = read_peak_mb()
+
+    @property
+    def growth_mb(self) -> float | None:
+        """How far the timed steps raised RSS above where it stood when they began: what the steps
+        themselves need (gradients, activations, buffers), without the code and caches loaded before."""
+        if self.steady_mb is None or self.start_mb is None:
+            return None
+        return self.steady_mb - self.start_mb
 
     def process_peak_mb(self) -> float:
         """Peak RSS of the whole process, compilation included (across the reset)."""

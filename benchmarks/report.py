@@ -162,8 +162,10 @@ def method_lines(cfg: dict[str, Any]) -> list[str]:
         "columns add up. 'later warm-up compile s': compiles in warm-up steps 2.. (optimizer recompiles, "
         "the optimizer-in-backward variant at update 2); see benchmarks/breakdown.py.",
         "- steady peak RSS: VmHWM reset (`/proc/self/clear_refs`) right before the timed steps and read after "
-        "them, per rank; process peak RSS: the whole process (set by compilation). Step tensor peak: the most "
-        "tensor memory a profiled step held above what was alive at its start (profiler memory events: "
+        "them, per rank; in brackets, how far the timed steps raised it above the RSS at the reset (what the "
+        "steps add, without the code and caches loaded before them); process peak RSS: the whole process "
+        "(set by compilation). Step tensor peak: the most tensor memory a profiled step held above what was "
+        "alive at its start (profiler memory events: "
         "gradients, activations, all-reduce buffers), per rank.",
         (
             "- bracket: floor = `torch.compile(model)` + `torch.compile`'d `optimizer.step()` on every rank at "

@@ -40,7 +40,7 @@ MAIN_COLUMNS = [
     "min-max",
     "over floor ms (%)",
     "comm hidden %",
-    "steady peak RSS MB/rank",
+    "steady peak RSS MB/rank (+ steps' growth)",
     "step tensor peak MB/rank",
     "process peak RSS MB/rank",
     "cold 1st step s",
@@ -75,7 +75,7 @@ def main_table(data: dict[str, Any]) -> list[str]:
                     f"{_fmt(a['step_ms_min'])}-{_fmt(a['step_ms_max'])}",
                     over_floor_cell(data.get("bracket"), mode),
                     comm_hidden_cell(data.get("bracket"), mode),
-                    _per_rank(a.get("steady_peak_rss_mb_per_rank")),
+                    _steady_cell(a),
                     _per_rank(prof.get("tensor_peak_mb_per_rank"), ".1f"),
                     _per_rank(a.get("peak_rss_mb_per_rank")),
                     _fmt(cold, ".1f", "no compile" if mode in NO_COMPILE_MODES else "-"),
@@ -89,6 +89,15 @@ def main_table(data: dict[str, Any]) -> list[str]:
             )
         )
     return rows
+
+
+def _steady_cell(a: dict[str, Any]) -> str:
+    """The steady-state peak RSS per rank, and (when measured) how much the timed steps added to it."""
+    peak = _per_rank(a.get("steady_peak_rss_mb_per_rank"))
+    growth = a.get("steady_growth_rss_mb_per_rank")
+    if not growth or all(v is None for v in growth):
+        return peak
+    return f"{peak} (+{_per_rank(growth)})"
 
 
 def _status_cell(mode: str, labels: dict[str, str]) -> str:

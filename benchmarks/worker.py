@@ -152,6 +152,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "param_checksum": param_checksum(dict(model.named_parameters()), initial),
         "peak_rss_mb": peaks.process_peak_mb(),
         "steady_peak_rss_mb": peaks.steady_mb,
+        "steady_growth_rss_mb": peaks.growth_mb,
         "steady_peak_cuda_mb": cuda_peak,
         "compile": clock.summary(warmup),
         "info": info,

@@ -207,9 +207,12 @@ def test_steady_peak_resets_below_an_earlier_high_water_mark_and_the_process_pea
     del big
     tracker = memory.PeakTracker()
     tracker.start_steady()
-    small = bytearray(4 * 2**20)
+    small = bytearray(8 * 2**20)
+    for i in range(0, len(small), 4096):
+        small[i] = 1
     tracker.stop_steady()
     assert tracker.steady_mb < before - 32, (before, tracker.steady_mb)
+    assert 6 < tracker.growth_mb < 32, tracker.growth_mb  # the 8 MiB the "steps" touched, not the baseline
     # the reset also reset ru_maxrss: the tracker remembers the peak from before it
     assert memory.process_peak_rss_mb() < before - 32
     assert tracker.process_peak_mb() >= before - 1
@@ -829,3 +832,11 @@ def test_shaped_namespace_shapes_lo_and_leaves_nothing_behind():
     outside = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True, check=True).stdout
     assert "tbf" not in outside  # the machine's own loopback was never touched
     assert not os.path.exists(f"/proc/{holder}")  # the holder is gone, and with it the namespace
+
+
+def test_the_steady_peak_cell_shows_what_the_steps_added():
+    from benchmarks.tables import _steady_cell
+
+    assert _steady_cell({"steady_peak_rss_mb_per_rank": [900.0, 880.0]}) == "900/880"
+    both = {"steady_peak_rss_mb_per_rank": [900.0, 880.0], "steady_growth_rss_mb_per_rank": [12.0, None]}
+    assert _steady_cell(both) == "900/880 (+12/-)"
