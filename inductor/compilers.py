@@ -59,9 +59,12 @@ def inductor_compile(
     """Compile `gm` with Inductor; `on_graph(graph, is_backward)` sees each graph Inductor compiles.
 
     `partitioner` (a callable with a `uuid()`, taking `base=`: the user's own partitioner or None
-    for min-cut) replaces the partition step, after Inductor's own joint-graph passes.
+    for min-cut) replaces the partition step, after Inductor's own joint-graph passes; its
+    `inductor_defaults()`, if it has one, are Inductor options for this compile unless the user set them.
     """
     patches = settings.config_patches()
     if partitioner is not None:
         patches.update(partitioner_patch(partitioner, partitioner.uuid(), patches))
+        for name, value in getattr(partitioner, "inductor_defaults", dict)().items():
+            patches.setdefault(name, value)  # the user's own options win
     return compile_fx_with(gm, example_inputs, on_graph=on_graph, config_patches=patches)

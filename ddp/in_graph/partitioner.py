@@ -75,6 +75,16 @@ class InGraphPartitioner:
         self.on_partitioned(after)
         return forward, backward
 
+    def inductor_defaults(self) -> dict[str, Any]:
+        """Inductor options this graph needs unless the user set them.
+
+        With updates inside the backward, each bucket's flat buffer should die at its update. Inductor's
+        buffer reuse instead parks a dead buffer until a later one of the same size takes it over, so
+        every bucket-sized buffer stayed allocated to the end of the backward: the step's tensor peak
+        was ours_step's (52.8 vs 53.2 MB, GPT d=384, 4 MiB buckets); without reuse 37.0 MB.
+        """
+        return {"allow_buffer_reuse": False} if self.updates is not None else {}
+
     def uuid(self) -> str:
         plan = [(b.params, b.input_indices, b.nbytes, b.key) for b in self.plan.buckets]
         updates = None

@@ -80,3 +80,41 @@ def test_inductor_settings_reject_bad_input(kwargs, match):
 def test_mode_and_options_become_config_patches():
     patches = InductorSettings(mode="max-autotune-no-cudagraphs", options={"epilogue_fusion": False}).config_patches()
     assert patches["max_autotune"] is True and patches["epilogue_fusion"] is False
+
+
+class _Partitioner:
+    """Stands in for ddp/in_graph's partitioner: a uuid, and Inductor options it needs unless set."""
+
+    def __call__(self, joint, joint_inputs, *, base=None, **kwargs):  # never called: compile is stubbed
+        raise AssertionError
+
+    def uuid(self) -> str:
+        return "test"
+
+    def inductor_defaults(self) -> dict:
+        return {"allow_buffer_reuse": False}
+
+
+@pytest.mark.parametrize("options, expected", [(None, False), ({"allow_buffer_reuse": True}, True)])
+def test_a_partitioners_inductor_defaults_apply_unless_the_user_set_them(monkeypatch, options, expected):
+    import inductor.compilers as compilers
+
+    seen = {}
+    monkeypatch.setattr(compilers, "compile_fx_with", lambda gm, inputs, **kw: seen.update(kw["config_patches"]))
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    inductor_compile(gm, [torch.randn(1, 2)], settings=InductorSettings(options=options), partitioner=_Partitioner())
+    assert seen["allow_buffer_reuse"] is expected and "custom_partitioner_fn" in seen
+
+
+def test_the_in_graph_update_variant_asks_inductor_not_to_park_dead_buffers():
+    from ddp.bucketing.grad_buckets import GradBucketPlan
+    from ddp.in_graph.graph_pass import UpdateSpec
+    from ddp.in_graph.partitioner import InGraphPartitioner
+
+    plan = GradBucketPlan(buckets=(), bucket_cap_bytes=1 << 20, first_bucket_cap_bytes=1 << 20)
+    reduce_only = InGraphPartitioner(plan, group_name="0", world_size=2)
+    updating = InGraphPartitioner(
+        plan, group_name="0", world_size=2, updates=UpdateSpec(templates={}, role_inputs={}, clip_max_norm=None)
+    )
+    assert reduce_only.inductor_defaults() == {}
+    assert updating.inductor_defaults() == {"allow_buffer_reuse": False}
