@@ -183,6 +183,14 @@ def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
     assert "per block" in str(step.report())
 
 
+def _unused_setup(make, opt_name: str):
+    """(module, DDP with find_unused_parameters=True, optimizer), the same for every call."""
+    torch.manual_seed(0)
+    module = make()
+    model = DDP(module, find_unused_parameters=True)
+    return module, model, OPTIMIZERS[opt_name](model.parameters())
+
+
 class LateBranch(nn.Module):
     """Blocks plus a branch that joins only after the first updates (`late` has no gradient, hence
     no optimizer state, until then), and one that never joins."""
@@ -202,16 +210,10 @@ class LateBranch(nn.Module):
 
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
 def test_parameters_that_get_their_first_gradient_later_update_like_eager(opt_name):
-    def setup():
-        torch.manual_seed(0)
-        module = LateBranch()
-        model = DDP(module, find_unused_parameters=True)
-        return module, model, OPTIMIZERS[opt_name](model.parameters())
-
     g = torch.Generator().manual_seed(5)
     data = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(5)]
-    module, model, opt = setup()
-    ref_module, ref_model, ref_opt = setup()
+    module, model, opt = _unused_setup(LateBranch, opt_name)
+    ref_module, ref_model, ref_opt = _unused_setup(LateBranch, opt_name)
     step = train_step(model, opt, F.mse_loss, backend=BACKEND)
     for i, (x, y) in enumerate(data):
         module.use_late = ref_module.use_late = i >= 2
@@ -252,15 +254,9 @@ class WithPooler(nn.Module):
 
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
 def test_a_parameter_that_never_gets_a_gradient_leaves_the_update_compiled(opt_name):
-    def setup():
-        torch.manual_seed(0)
-        module = WithPooler()
-        model = DDP(module, find_unused_parameters=True)
-        return module, model, OPTIMIZERS[opt_name](model.parameters())
-
     data = batches(4)
-    module, model, opt = setup()
-    _, ref_model, ref_opt = setup()
+    module, model, opt = _unused_setup(WithPooler, opt_name)
+    _, ref_model, ref_opt = _unused_setup(WithPooler, opt_name)
     step = train_step(model, opt, F.mse_loss, backend=BACKEND)
     for x, y in data:
         step(x, y)
