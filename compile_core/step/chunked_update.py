@@ -62,6 +62,8 @@ class _Chunk:
     """Keys of the compiled variants of this chunk (one per set of parameters with a gradient)."""
     present: list = dataclasses.field(default_factory=list)
     """Its parameters with a gradient and optimizer state at update 1."""
+    keys: dict = dataclasses.field(default_factory=dict)
+    """Ids of a set of its parameters with a gradient -> the key of the compiled update for that set."""
 
 
 MAX_SUBSETS = 4
@@ -182,8 +184,11 @@ class ChunkedUpdate:
         """The compiled update for these parameters of the chunk (those with a gradient); compiled now,
         on the real tensors by this call, for a set not seen at update 1. None (eager) past
         `MAX_SUBSETS` sets in this chunk."""
-        signature = chunk.signature if len(present) == len(chunk.params) and chunk.signature else None
-        key = (chunk.group, signature or self._signature(present))
+        ids = tuple(map(id, present))
+        key = chunk.keys.get(ids)
+        if key is None:  # a set not seen yet (each update after that is a dict lookup)
+            signature = chunk.signature if len(present) == len(chunk.params) and chunk.signature else None
+            key = chunk.keys[ids] = (chunk.group, signature or self._signature(present))
         if key not in self._fns:
             if len(chunk.subsets) >= MAX_SUBSETS:
                 return None
