@@ -56,14 +56,10 @@ class _Chunk:
     name: str
     """`group0.blocks.3` or `group0.rest`."""
     params: list[torch.nn.Parameter]
-    signature: tuple = ()
-    """Of all its parameters (set once they all had a gradient)."""
-    subsets: set = dataclasses.field(default_factory=set)
-    """Keys of the compiled variants of this chunk (one per set of parameters with a gradient)."""
-    present: list = dataclasses.field(default_factory=list)
-    """Its parameters with a gradient and optimizer state at update 1."""
     keys: dict = dataclasses.field(default_factory=dict)
-    """Ids of a set of its parameters with a gradient -> the key of the compiled update for that set."""
+    """Ids of a set of its parameters with a gradient -> the key of the compiled update for that set
+    (group, shapes/strides/dtypes of the parameters and their state): one entry per set this chunk runs
+    compiled, at most `MAX_SUBSETS`."""
 
 
 MAX_SUBSETS = 4
@@ -180,19 +176,22 @@ class ChunkedUpdate:
         the functional update cannot create state, `optimizer.step()` does."""
         return any(p.grad is not None for p in self._stateless)
 
+    def _key(self, chunk: _Chunk, present: list[torch.nn.Parameter]) -> tuple[tuple, tuple]:
+        """(ids, key) of a set of the chunk's parameters; a set seen before costs a dict lookup."""
+        ids = tuple(map(id, present))
+        key = chunk.keys.get(ids)
+        return ids, key if key is not None else (chunk.group, self._signature(present))
+
     def _compiled_fn(self, chunk: _Chunk, present: list[torch.nn.Parameter]) -> Callable[..., Any] | None:
         """The compiled update for these parameters of the chunk (those with a gradient); compiled now,
         on the real tensors by this call, for a set not seen at update 1. None (eager) past
         `MAX_SUBSETS` sets in this chunk."""
-        ids = tuple(map(id, present))
-        key = chunk.keys.get(ids)
-        if key is None:  # a set not seen yet (each update after that is a dict lookup)
-            signature = chunk.signature if len(present) == len(chunk.params) and chunk.signature else None
-            key = chunk.keys[ids] = (chunk.group, signature or self._signature(present))
-        if key not in self._fns:
-            if len(chunk.subsets) >= MAX_SUBSETS:
+        ids, key = self._key(chunk, present)
+        if ids not in chunk.keys:
+            if len(chunk.keys) >= MAX_SUBSETS:
                 return None
-            chunk.subsets.add(key)
+            chunk.keys[ids] = key
+        if key not in self._fns:
             self._fns[key] = self.events.compile(
                 _UPDATES[type(self.optimizer)], self._recording(chunk.name), isolate_recompiles=True
             )
@@ -202,18 +201,15 @@ class ChunkedUpdate:
         """Compile each distinct chunk (and the clip) by running it once on copies of its tensors."""
         start = time.perf_counter()
         first: dict[tuple, str] = {}
-        distinct = []
+        distinct: list[tuple[_Chunk, list[torch.nn.Parameter], tuple]] = []
         self._stateless = self._without_state()
         stateless = set(map(id, self._stateless))
         for chunk in self._chunks:
-            chunk.present = [p for p in chunk.params if p.grad is not None and id(p) not in stateless]
-            if not chunk.present:
+            present = [p for p in chunk.params if p.grad is not None and id(p) not in stateless]
+            if not present:
                 continue  # compiled when its parameters first have a gradient (`_compiled_fn`)
-            signature = self._signature(chunk.present)
-            if len(chunk.present) == len(chunk.params):
-                chunk.signature = signature
-            key = (chunk.group, signature)
-            chunk.subsets.add(key)
+            ids, key = self._key(chunk, present)
+            chunk.keys[ids] = key
             if key in first:
                 self.records.append(
                     {
@@ -225,25 +221,24 @@ class ChunkedUpdate:
                 )
                 continue
             first[key] = chunk.name
-            distinct.append(chunk)
+            distinct.append((chunk, present, key))
         # Each rank starts with another chunk, so that with claims they compile different ones at once.
         offset = rank_offset(len(distinct))
-        for chunk in distinct[offset:] + distinct[:offset]:
-            key = next(iter(chunk.subsets))
+        for chunk, present, key in distinct[offset:] + distinct[:offset]:
             fn = self.events.compile(
                 _UPDATES[type(self.optimizer)], self._recording(chunk.name), isolate_recompiles=True
             )
             self._fns[key] = fn
             # Copies as Parameters: Dynamo's guards check the tensor type too.
-            params = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in chunk.present]
-            for p, real in zip(params, chunk.present):
+            params = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in present]
+            for p, real in zip(params, present):
                 p.grad = real.grad.detach().clone()
             states = [
                 {
                     k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                     for k, v in self.optimizer.state[real].items()
                 }
-                for real in chunk.present
+                for real in present
             ]
             with torch.no_grad():
                 self._run(chunk, fn, params=params, states=states)
