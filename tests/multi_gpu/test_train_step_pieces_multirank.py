@@ -29,7 +29,9 @@ from tests.multi_gpu.ddp_compare import (
     snapshot,
     update_rel_err,
 )
+from tests.multi_gpu.field_models import Branchy, regression_data
 from tests.multi_gpu.models import step_data, step_model
+from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
 from tests.ranks import run_ranks, to_rank_device, wrap_ddp
 
 # One launch for the whole module; the *_multirank.py name keeps its tests on one xdist worker.
@@ -137,6 +139,18 @@ SCENARIOS = {
         rank, opt="adamw", accum=3, ddp_kwargs={"gradient_as_bucket_view": True}
     ),
     "sgd_autocast_bf16": lambda rank: _scenario(rank, opt="sgd", autocast=torch.bfloat16),
+    # `extra` never runs (find_unused_parameters=True): no gradient, no optimizer state, ever
+    "adamw_parameter_never_used": lambda rank: run_against_eager(
+        Script(
+            make_model=Branchy,
+            data=regression_data,
+            make_opt=lambda m: OPTIMIZERS["adamw"](m.parameters()),
+            ddp_kwargs={"find_unused_parameters": True},
+        ),
+        rank,
+        how="train_step",
+        bucket_cap_mb=CAP_MB,
+    ),
 }
 
 
@@ -216,3 +230,14 @@ def test_autocast_bf16_in_many_pieces_matches_eager_autocast_not_fp32(results):
         assert update_rel_err(r["fp32"], r["ref"], r["initial"]) > 1e-3, "autocast made no difference"
     assert_same_compile_on_every_rank(per_rank, min_pieces=3)
     _check_reductions(per_rank, accum=1)
+
+
+def test_a_parameter_that_never_gets_a_gradient_leaves_the_optimizer_update_compiled(results):
+    """torch's step skips a parameter without a gradient; the compiled update of its chunk must too,
+    rather than sending the whole update to eager."""
+    per_rank = ok(results, "adamw_parameter_never_used")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    for r in per_rank:
+        optimizer = r["report"]["optimizer"]
+        assert optimizer["compiled"] and optimizer["fallback_error"] is None, optimizer
+        assert r["params"]["extra.weight"].equal(r["initial"]["extra.weight"])
