@@ -54,15 +54,22 @@ def check_inputs(
         )
 
 
+NO_TARGET: Any = object()
+"""`step(...)` called without `target=`: the last positional argument is the target."""
+
+
 def split_args(args: tuple[Any, ...], target: Any) -> tuple[tuple[Any, ...], Any]:
-    if target is not None:
+    """(model inputs, target) of `step(*inputs, target)` or `step(*inputs, target=...)`; an explicit
+    `target=None` is a target (a loss that reads the labels from the model's output ignores it)."""
+    if target is not NO_TARGET:
         if not args:
             raise TypeError("step(*inputs, target): no inputs given")
         return args, target
     if len(args) < 2:
         raise TypeError(
             f"step(*inputs, target): got {len(args)} positional argument(s); pass the model inputs "
-            "followed by the target, e.g. step(x, y) or step(x, target=y)"
+            "followed by the target, e.g. step(x, y), step(x, target=y), or step(x, target=None) when "
+            "loss_fn needs no target"
         )
     return args[:-1], args[-1]
 

@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import DynamoError, cause_chain
 from compile_core.events import CompileEvents
-from compile_core.step.checks import check_inputs, check_loss, split_args
+from compile_core.step.checks import NO_TARGET, check_inputs, check_loss, split_args
 from compile_core.step.chunked_update import ChunkedUpdate
 from compile_core.step.config import TrainStepConfig
 from compile_core.step.hyperparams import HyperparamPins
@@ -127,7 +127,7 @@ class TrainStep:
                 logger.warning("train_step: optimizer update stays after the backward: %s", self._in_backward.reason)
 
     # -- the step -------------------------------------------------------------------------------
-    def __call__(self, *args: Any, target: Any = None) -> torch.Tensor:
+    def __call__(self, *args: Any, target: Any = NO_TARGET) -> torch.Tensor:
         """`step(*inputs, target)` or `step(*inputs, target=target)`: one micro-batch."""
         inputs, target = split_args(args, target)
         beat()  # progress, for a launcher watching for hangs (launch/heartbeat.py)

@@ -152,6 +152,38 @@ def test_target_by_keyword_and_extra_inputs():
         step(x)
 
 
+def test_target_none_by_keyword_for_a_loss_that_needs_no_target():
+    """A model that computes its own loss (Hugging Face with labels): `step(x, target=None)`."""
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x, labels):
+            return {"loss": F.mse_loss(self.fc(x), labels)}
+
+    torch.manual_seed(0)
+    model = DDP(WithLoss())
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    seen = []
+
+    def loss_fn(out, target):
+        seen.append(target)
+        return out["loss"]
+
+    step = train_step(model, opt, loss_fn, backend=BACKEND)
+    x, y = torch.randn(3, 8), torch.randn(3, 4)
+    for _ in range(2):
+        step(x, y, target=None)
+        ref(x, y)["loss"].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert seen == [None, None]
+    assert_params_close(model, ref)
+
+
 def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
     from tests.single.ddp_helpers import Blocks
 

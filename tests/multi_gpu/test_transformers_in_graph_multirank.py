@@ -1,0 +1,156 @@
+"""Real model families from `transformers` (small configs, no weights) in the modes that own the
+communication, on 2 ranks against eager DDP with the same options and optimizer:
+
+* `compile(ddp="in_graph")` in a plain user loop (SGD momentum): every model's gradients are
+  all-reduced inside its compiled backward, DDP's reducer all-reduces nothing;
+* `train_step(ddp="in_graph", optimizer_in_backward=True)` (SGD momentum): from update 2 every
+  parameter is updated inside the backward, right after its bucket's all-reduce.
+
+Models and data come from tests/multi_gpu/test_transformers_multirank.py (rank-dependent batches);
+each model's output `.logits` is squared and averaged as the loss, which needs no target, so the step
+is called as `step(*inputs, target=None)`. All scenarios run in one 2-rank launch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.multi_gpu.ddp_compare import (
+    assert_close_params,
+    assert_matches_eager,
+    ok,
+    run_scenarios,
+    snapshot,
+    train_against_eager,
+)
+from tests.ranks import run_ranks, to_rank_device, wrap_ddp
+
+pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(600)]
+
+pytest.importorskip("transformers", reason="needs the `transformers` package (test extra)")
+
+from tests.multi_gpu.test_transformers_multirank import CAP_MB, MODELS, _logits_loss  # noqa: E402
+
+IN_BACKWARD = ("gpt2", "bert", "t5", "vit", "resnet")  # llama: tests/multi_gpu/test_in_backward_multirank.py
+UPDATES = 3
+
+
+def _in_graph(name: str):
+    make_model, make_input = MODELS[name]
+
+    def run(rank: int) -> dict:
+        return train_against_eager(
+            make_model,
+            lambda step: make_input(rank, step),
+            loss_fn=_logits_loss,
+            ddp_kwargs={"bucket_cap_mb": CAP_MB},
+            backend="aot_eager",
+            ddp="in_graph",
+        )
+
+    return run
+
+
+def _in_backward(name: str):
+    make_model, make_input = MODELS[name]
+
+    def run(rank: int) -> dict:
+        import compile_core
+
+        torch.manual_seed(0)
+        model = to_rank_device(make_model())
+        ref = copy.deepcopy(model)
+        initial = snapshot(model)
+        ours, theirs = wrap_ddp(model, bucket_cap_mb=CAP_MB), wrap_ddp(ref, bucket_cap_mb=CAP_MB)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
+        step = compile_core.train_step(
+            ours,
+            opt,
+            lambda out, _: _logits_loss(out),
+            backend="aot_eager",
+            ddp="in_graph",
+            optimizer_in_backward=True,
+        )
+        losses, ref_losses = [], []
+        for index in range(UPDATES):
+            inputs = to_rank_device(make_input(rank, index))
+            losses.append(step(*inputs, target=None).item())
+            loss = _logits_loss(theirs(*inputs))
+            loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            ref_losses.append(loss.item())
+        return {
+            "params": snapshot(model),
+            "ref": snapshot(ref),
+            "initial": initial,
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "in_backward": step.report().to_dict()["optimizer_in_backward"],
+        }
+
+    return run
+
+
+def _all(rank: int, world_size: int) -> dict:
+    scenarios = {f"in_graph/{name}": _in_graph(name) for name in MODELS}
+    scenarios.update({f"in_backward/{name}": _in_backward(name) for name in IN_BACKWARD})
+    return run_scenarios(scenarios, rank)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all, world_size=2, timeout=560)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_family_is_reduced_inside_its_compiled_backward_like_eager_ddp(results, name):
+    per_rank = ok(results, f"in_graph/{name}")
+    assert_matches_eager(per_rank, rtol=1e-4, atol=1e-5, update_rtol=1e-3)
+    for rank, r in enumerate(per_rank):
+        report = r["report"]
+        assert all(step["ddp_reducer"] == 0 for step in r["reduced"]), f"rank {rank}: DDP's reducer ran"
+        assert report["in_graph"]["reducer"] == "compiled backward", report["in_graph"]
+        assert report["in_graph"]["fallbacks"] == [] and report["fallbacks"] == [], report
+        names = [n for g in report["graphs"] if g.get("variant") == "reduce" for b in g["buckets"] for n in b["params"]]
+        assert len(names) == len(set(names)) and names, f"rank {rank}: {names}"
+    assert [g["buckets"] for g in per_rank[0]["report"]["graphs"]] == [
+        g["buckets"] for g in per_rank[1]["report"]["graphs"]
+    ]
+
+
+def _update_errors(r: dict) -> dict[str, float]:
+    """Per parameter: distance from eager's parameter relative to eager's update, for parameters whose
+    update is more than noise. An attention key bias has an exactly zero true gradient (softmax ignores
+    a score shift shared by all keys): its compiled and eager updates are rounding noise (~1e-9 of the
+    others), and their ratio says nothing."""
+    moved = {n: (r["ref"][n].double() - r["initial"][n].double()).norm().item() for n in r["ref"]}
+    largest = max(moved.values())
+    return {
+        n: ((r["params"][n].double() - r["ref"][n].double()).norm() / moved[n]).item()
+        for n in r["ref"]
+        if moved[n] > 1e-4 * largest
+    }
+
+
+@pytest.mark.parametrize("name", IN_BACKWARD)
+def test_model_family_updates_inside_the_backward_like_eager_ddp(results, name):
+    per_rank = ok(results, f"in_backward/{name}")
+    for rank, r in enumerate(per_rank):
+        errors = _update_errors(r)
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < 1e-3, f"rank {rank}: {worst}'s update differs from eager DDP's by {errors[worst]:.2e}"
+        assert len(errors) > len(r["ref"]) // 2, f"rank {rank}: most parameters barely moved: {sorted(errors)}"
+        assert_close_params(r["params"], r["ref"], rtol=1e-4, atol=1e-5, what=f"rank {rank} vs eager DDP:")
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-7)
+    assert per_rank[0]["losses"][0] != per_rank[1]["losses"][0], "the ranks saw the same data"
+    for name_ in per_rank[0]["params"]:
+        assert torch.equal(per_rank[0]["params"][name_], per_rank[1]["params"][name_]), f"{name_} differs between ranks"
+    for r in per_rank:
+        report = r["in_backward"]
+        assert report["active"] and report["reason"] is None, report
+        assert report["updates_in_backward"] == UPDATES - 1, report  # update 1 creates the state
+        assert report["not_updated_in_backward"] == [], report
