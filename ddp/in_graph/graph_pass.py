@@ -11,9 +11,12 @@ Inductor lowers and schedules like any other op.
 Algorithm, on the backward graph AOTAutograd produced (after partitioning):
   1. find each parameter's gradient output (`aot.torch_dynamo.grad_outputs`) and, per bucket of
      the plan (`ddp/bucketing/grad_buckets.py`), the gradient produced last in the graph;
-  2. right after it: flatten the bucket's gradients into one buffer, divide by the world size and
-     issue `all_reduce(sum)` (gloo has no AVG; DDP's default hook also divides first, so the result
-     is DDP's to the last bit on aot_eager);
+  2. right after it: divide each of the bucket's gradients by the world size on its way into one
+     flat buffer, and issue `all_reduce(sum)` on that buffer (gloo has no AVG; DDP's default hook also
+     divides first, so the result is DDP's to the last bit on aot_eager). Dividing before the
+     concatenation, not after, lets Inductor write the divided gradients straight into the buffer it
+     all-reduces in place: one bucket-sized buffer and one pass over it, where a division of the
+     flat buffer needs a second buffer while the bucket is formed;
   3. just before the graph's output: `wait_tensor`, then split the buffer back into gradient views,
      which replace the gradient outputs.
 Inductor keeps this order on CPU and GPU without extra passes (checked in its output code: each
@@ -168,17 +171,19 @@ def insert_bucketed_all_reduce(
         last = max((node for _, node in members), key=order.__getitem__)
         after.append(f"{last.name} ({last.target})")
         cursor, flat = last, []
+        dtype = members[0][1].meta["val"].dtype
         for _, node in members:
             if not node.meta["val"].is_contiguous():
                 cursor = builder.after(cursor, _ops.clone.default, [node], {"memory_format": torch.contiguous_format})
                 node = cursor
             cursor = builder.after(cursor, _ops.view.default, [node, [-1]])
+            if wire_dtype is not None and wire_dtype != dtype:
+                cursor = builder.after(cursor, _prims.convert_element_type.default, [cursor, wire_dtype])
+            # Each gradient is divided on its way into the flat buffer (the same division per element as
+            # dividing the buffer), so the buffer is all-reduced as written.
+            cursor = builder.after(cursor, _ops.div.Tensor, [cursor, float(world_size)])
             flat.append(cursor)
         cursor = builder.after(cursor, _ops.cat.default, [flat])
-        dtype = cursor.meta["val"].dtype
-        if wire_dtype is not None and wire_dtype != dtype:
-            cursor = builder.after(cursor, _prims.convert_element_type.default, [cursor, wire_dtype])
-        cursor = builder.after(cursor, _ops.div.Tensor, [cursor, float(world_size)])
         cursor = builder.after(cursor, _all_reduce, [cursor, "sum", group_name])
         issued.append(_Issued(members=members, reduced=cursor, index=len(issued), input_indices=present, dtype=dtype))
     if updates is None:

@@ -74,6 +74,21 @@ def test_each_bucket_is_all_reduced_as_soon_as_its_gradients_exist_and_waited_fo
     assert min(at[w] for w in waits) > max(last_grad, *(at[n] for n in issues))
 
 
+@pytest.mark.parametrize("optimizer_in_backward", [False, True])
+def test_the_buffer_each_all_reduce_sends_is_the_concatenation_of_the_divided_gradients(optimizer_in_backward):
+    """Each gradient is divided by the world size on its way into the bucket's flat buffer, and that
+    buffer itself is all-reduced: Inductor then writes the divided gradients straight into the buffer
+    it reduces in place, where a division of the concatenation needs a second bucket-sized buffer."""
+    backward = _backwards(optimizer_in_backward=optimizer_in_backward)[-1]
+    issues = [n for n in backward.graph.nodes if _is(n, _c10d.all_reduce.default)]
+    assert issues
+    for issue in issues:
+        sent = issue.args[0]
+        assert sent.target is torch.ops.aten.cat.default, f"{issue.name} sends {sent.name} ({sent.target})"
+        for part in sent.args[0]:
+            assert part.target is torch.ops.aten.div.Tensor and part.args[1] == 1.0, part.format_node()
+
+
 def test_with_the_optimizer_in_the_backward_each_update_follows_its_own_wait_in_a_pipeline():
     backward = _backwards(optimizer_in_backward=True)[-1]
     nodes = list(backward.graph.nodes)
