@@ -223,6 +223,64 @@ def install_reducer(
     return frozen
 
 
+def release_reducer_buckets(ddp: DistributedDataParallel) -> int:
+    """Replace DDP's reducer by an idle one that holds no gradient buckets; returns the bytes released.
+
+    For a DDP model whose gradients something else reduces (the compiled backward of ddp='in_graph'):
+    DDP allocates a flat bucket buffer for every parameter's gradient when it is built
+    (`Reducer::initialize_buckets` in `reducer.cpp`), a full copy of the gradients that sits unused.
+    A `dist.Reducer` needs at least one parameter (`reducer.cpp`: "Expected at least one parameter"),
+    so the idle one watches a one-element placeholder no graph uses: its single bucket is 1 element.
+    DDP's forward only calls its reducer's `_rebuild_buckets` (false: nothing ever became ready) and,
+    when it would synchronise, `prepare_for_forward`/`prepare_for_backward`, which the caller keeps off
+    (`require_backward_grad_sync` is False during the forward). Options are DDP's own, as in
+    `install_reducer`; the comm hook name stays in DDP's logging data.
+    """
+    params, _ = reducer_params(ddp)
+    released = sum(p.numel() * p.element_size() for p in params)
+    hook_name = ddp._get_ddp_logging_data().get("comm_hook") or None
+    placeholder = torch.nn.Parameter(torch.zeros(1, device=params[0].device if params else None))
+    config = ddp._bucket_config
+    reducer = dist.Reducer(
+        params=[placeholder],
+        bucket_indices=[[0]],
+        per_bucket_size_limits=[placeholder.element_size()],
+        process_group=ddp.process_group,
+        expect_sparse_gradients=[False],
+        bucket_bytes_cap=config.bucket_bytes_cap,
+        find_unused_parameters=ddp.find_unused_parameters,
+        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+        param_to_name_mapping={0: "(idle reducer placeholder)"},
+        first_bucket_bytes_cap=config.first_bucket_bytes_cap,
+        skip_all_reduce_unused_params=getattr(ddp, "skip_all_reduce_unused_params", False),
+        use_python_reducer=False,
+        bucket_bytes_cap_list=[placeholder.element_size()],
+        batched_grad_copy=getattr(ddp, "batched_grad_copy", False),
+    )
+    logger = dist.Logger(reducer)
+    reducer.set_logger(logger)
+    logger.set_construction_data_and_log(
+        ddp.module.__class__.__name__,
+        [] if ddp.device_ids is None else ddp.device_ids,
+        -1 if ddp.output_device is None else ddp.output_device,
+        ddp.forward_sync_buffers,
+        any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules()),
+        False,
+    )
+    if hook_name is not None:
+        logger._set_comm_hook_name(str(hook_name))
+    ddp.reducer = reducer
+    ddp.logger = logger
+    ddp._has_rebuilt_buckets = True
+    return released
+
+
+def reducer_bucket_elements(ddp: DistributedDataParallel) -> int:
+    """Elements in the gradient buckets DDP's reducer holds (`Reducer::get_grad_buckets` with zeros,
+    exposed as `_get_zeros_like_grad_buckets`: allocates a zero copy of every bucket; for tests)."""
+    return sum(bucket.buffer().numel() for bucket in ddp.reducer._get_zeros_like_grad_buckets())
+
+
 def _bucket_bytes(params: Sequence[torch.nn.Parameter], bucket: Sequence[int]) -> int:
     return max(1, sum(params[i].numel() * params[i].element_size() for i in bucket))
 

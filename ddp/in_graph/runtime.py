@@ -132,6 +132,8 @@ class InGraphReducer:
         """Why the last graph compiled for an update variant does not update (None: it does)."""
         self.not_updated: list[str] = []
         """Parameters the last update variant reduces but leaves to the normal optimizer step."""
+        self.released_bytes: int | None = None
+        """Bytes of DDP's gradient buckets released at the first synchronising step (None: kept)."""
         self.graphs_last_step = 0
         """How many compiled graphs ran in the last synchronising step's forward."""
         self.grads_kept = 0
@@ -152,6 +154,7 @@ class InGraphReducer:
             "fallbacks": list(self.fallbacks),
             "find_unused_parameters": self._leftovers.find_unused,
             "not_updated_in_backward": list(self.not_updated),
+            "ddp_buckets_released_bytes": self.released_bytes,
         }
 
     # -- around DDP's forward ------------------------------------------------------------------------
@@ -167,6 +170,10 @@ class InGraphReducer:
             torch_ddp.keep_static_graph_reducer_idle(self.ddp)
         self._user_sync = self.ddp.require_backward_grad_sync
         sync = torch.is_grad_enabled() and self._user_sync
+        if sync and self.released_bytes is None and not getattr(self.ddp, "static_graph", False):
+            # From the first synchronising step on, comm hooks are fixed (`_check_hooks`) and every
+            # reduction is ours: DDP's bucket buffers, a full copy of the gradients, go.
+            self.released_bytes = torch_ddp.release_reducer_buckets(self.ddp)
         accumulated = sync and self.accumulate_in_graph and any(p.grad is not None for p in self.params)
         if accumulated:
             self._stash = {id(p): p.grad for p in self.params if p.grad is not None}

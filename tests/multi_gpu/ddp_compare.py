@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp.torch_ddp import reducer_bucket_elements
 from tests.ranks import to_rank_device, wrap_ddp
 
 # -- inside the ranks ---------------------------------------------------------------------------------
@@ -183,6 +184,7 @@ def train_against_eager(
         "reduced": log.steps,
         "expected_reduced": sorted(n for n, p in model.named_parameters() if p.requires_grad and n not in ignore),
         "grad_storage": grad_storage,
+        "ddp_bucket_elements": reducer_bucket_elements(ours),
     }
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from ddp.torch_ddp import reducer_bucket_elements
 from examples.gpt import GPT, GPTConfig
 from tests.multi_gpu.ddp_compare import (
     CollectiveLog,
@@ -115,6 +116,7 @@ def _accumulate(rank: int, accum: int = 2, updates: int = 3) -> dict:
         "reduced": log.steps,
         "report": compiled.report().to_dict(),
         "expected_reduced": sorted(n for n, _ in model.named_parameters()),
+        "ddp_bucket_elements": reducer_bucket_elements(ours),
     }
 
 
@@ -156,6 +158,9 @@ def _assert_reduced_in_graph(per_rank: list[dict], *, graphs: int = 1, not_reduc
         assert all(step["ddp_reducer"] == 0 for step in r["reduced"]), f"rank {rank}: DDP's reducer ran: {r['reduced']}"
         report = r["report"]
         assert report["in_graph"]["reducer"] == "compiled backward", report["in_graph"]
+        # DDP's reducer reduces nothing here: its gradient buckets (a full copy of the gradients) are gone
+        assert r["ddp_bucket_elements"] == 1, f"rank {rank}: DDP still holds {r['ddp_bucket_elements']} elements"
+        assert report["in_graph"]["ddp_buckets_released_bytes"] > 0, report["in_graph"]
         assert report["alignment"]["status"] == "not applicable"
         sync_graphs = [g for g in report["graphs"] if g.get("variant", "").startswith("reduce")]
         assert len({g["name"] for g in sync_graphs}) >= graphs

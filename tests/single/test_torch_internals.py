@@ -178,6 +178,20 @@ def test_reducer_takes_our_keywords():
             assert f"{keyword}:" in doc, f"Reducer no longer takes {keyword}="
 
 
+def test_release_reducer_buckets_leaves_ddp_working_with_an_idle_one_element_reducer():
+    with canary("ddp/torch_ddp.py:release_reducer_buckets/reducer_bucket_elements"):
+        ddp = two_layers()
+        params, _ = torch_ddp.reducer_params(ddp)
+        assert torch_ddp.reducer_bucket_elements(ddp) == sum(p.numel() for p in params)
+        assert torch_ddp.release_reducer_buckets(ddp) == sum(p.numel() * 4 for p in params)
+        assert torch_ddp.reducer_bucket_elements(ddp) == 1
+        for _ in range(2):  # DDP's forward and an un-synchronised backward still run
+            with ddp.no_sync():
+                ddp(torch.randn(3, 8)).sum().backward()
+        assert all(p.grad is not None for p in params)
+        assert ddp._get_ddp_logging_data()["module_name"] == type(ddp.module).__name__
+
+
 def test_install_reducer_gives_ddp_our_buckets_and_keeps_hooks():
     with canary("ddp/torch_ddp.py:install_reducer"):
         ddp = two_layers()
