@@ -30,8 +30,9 @@ gradient and is updated by the normal `optimizer.step()` right after the backwar
 step: torch skips the parameters whose gradient is None, i.e. those already updated. With
 clipping, every gradient must be inside the graph (the global norm is taken there), else the whole
 update stays on the normal path. Only structural options are baked into the captured graph
-(momentum on/off, nesterov, maximize, amsgrad): changing one switches back to the normal path, with
-the reason. Weight decay is always in the graph (0 decays by exactly nothing), so it may change freely.
+(momentum on/off, nesterov, maximize, amsgrad, and whether beta1 is above 0.5, which picks `lerp`'s
+formula for the first moment): changing one switches back to the normal path, with the reason.
+Weight decay is always in the graph (0 decays by exactly nothing), so it may change freely.
 
 Debugging: `TrainStep.report()` has an `optimizer_in_backward` entry (active, reason, from which
 update); `TORCH_LOGS=output_code` shows the update kernels between the backward's kernels.
@@ -169,6 +170,7 @@ def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:
         keys.update(momentum=group["momentum"] != 0, nesterov=bool(group["nesterov"]))
     else:
         keys.update(amsgrad=bool(group.get("amsgrad")), decoupled=optim_math.decoupled(optimizer, group))
+        keys.update(low_lerp=abs(1 - float(group["betas"][0])) < 0.5)  # lerp's formula for the first moment
     return tuple(sorted(keys.items()))
 
 
@@ -214,6 +216,7 @@ def _update_function(optimizer: torch.optim.Optimizer, group: dict, state_keys: 
             decoupled=flags["decoupled"],
             weight_decay=flags["weight_decay"],
             maximize=flags["maximize"],
+            low_lerp=flags["low_lerp"],
         )
 
     return update_adam

@@ -81,8 +81,14 @@ def adam_math(
     decoupled: bool,
     weight_decay: bool,
     maximize: bool,
+    low_lerp: bool | None = None,
 ) -> None:
-    """One Adam/AdamW update in place (`s`: a row laid out as `ADAM_SCALARS`)."""
+    """One Adam/AdamW update in place (`s`: a row laid out as `ADAM_SCALARS`).
+
+    `low_lerp`: which of `lerp`'s two formulas the first moment takes, when the caller knows it (True:
+    |1 - beta1| < 0.5, `m + w * (g - m)`; False: `g - (1 - w) * (g - m)`), the same ops `lerp_` with a
+    tensor weight decomposes into, without choosing per element at run time (a graph spliced once per
+    parameter is then 5 nodes shorter); None: `lerp_` itself."""
     if maximize:
         grad = -grad
     step.add_(1)
@@ -91,7 +97,12 @@ def adam_math(
             param.mul_(s[0])
         else:
             grad = grad + param * s[0]
-    exp_avg.lerp_(grad, s[1])
+    if low_lerp is None:
+        exp_avg.lerp_(grad, s[1])
+    elif low_lerp:
+        exp_avg.copy_(torch.addcmul(exp_avg, s[1], grad - exp_avg))
+    else:
+        exp_avg.copy_(torch.addcmul(grad, -(1 - s[1]), grad - exp_avg))
     exp_avg_sq.mul_(s[2]).add_(grad * grad * s[3])
     if max_exp_avg_sq is not None:
         max_exp_avg_sq.copy_(torch.maximum(max_exp_avg_sq, exp_avg_sq))

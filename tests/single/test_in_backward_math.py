@@ -1,0 +1,62 @@
+"""The per-parameter update graph that `optimizer_in_backward=True` splices into the compiled backward
+(compile_core/step/in_backward.py), run on its own: one process, no process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compile_core.step.in_backward import OptimizerInBackward
+
+
+def _after_one_eager_step(kind: str, beta1: float) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8, 16))
+    optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](
+        [param], lr=1e-2, betas=(beta1, 0.99), weight_decay=0.1, foreach=False
+    )
+    param.grad = torch.randn(8, 16)
+    optimizer.step()  # update 1 runs eagerly and creates the state, as in train_step
+    return param, optimizer
+
+
+def _apply_template(updates: OptimizerInBackward, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    template = updates.template_for(param)
+    assert template is not None
+    roles = [param.data, grad] + updates.states(param, template) + [t for _, t in updates.hypers(param, template)]
+    inputs: list = [None] * len(template.positions)
+    for role, position in zip(roles, template.positions):
+        if position is not None:
+            inputs[position] = role
+    template.graph(*inputs)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+def test_the_spliced_adam_update_matches_torchs_step(kind, beta1):
+    """Both of lerp's formulas for the first moment (beta1 above and below 0.5) give torch's update."""
+    param, optimizer = _after_one_eager_step(kind, beta1)
+    ref_param, ref_optimizer = _after_one_eager_step(kind, beta1)
+    updates = OptimizerInBackward(optimizer)
+    updates.prepare()  # captures the template and this update's scalars
+    grad = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    _apply_template(updates, param, grad)
+    ref_param.grad = grad.clone()
+    ref_optimizer.step()
+    torch.testing.assert_close(param.data, ref_param.data, rtol=1e-6, atol=1e-7)
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        torch.testing.assert_close(optimizer.state[param][key], ref_optimizer.state[ref_param][key], rtol=1e-6, atol=0)
+
+
+def test_the_first_moment_formula_is_fixed_when_the_template_is_captured():
+    """No per-element choice between lerp's formulas in the spliced graph (5 nodes per parameter fewer,
+    which the compile of a graph with one update per parameter pays for), and a beta1 that crosses 0.5
+    is a structural change that takes the update back to the normal path, with the reason."""
+    _, optimizer = _after_one_eager_step("adamw", 0.9)
+    updates = OptimizerInBackward(optimizer)
+    updates.prepare()
+    template = next(iter(updates._templates.values()))
+    targets = [n.target for n in template.graph.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.where.self not in targets, targets
+    optimizer.param_groups[0]["betas"] = (0.4, 0.99)
+    assert "low_lerp" in (updates.changed_hyperparameters() or "")
