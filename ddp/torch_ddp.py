@@ -180,33 +180,9 @@ def install_reducer(
         if caps is not None:
             break
     sparse = [expect_sparse[i] for i in order] if expect_sparse else []
-    config = ddp._bucket_config
-    reducer = dist.Reducer(
-        params=ordered,
-        bucket_indices=new_layout,
-        per_bucket_size_limits=[_bucket_bytes(ordered, b) for b in new_layout],
-        process_group=ddp.process_group,
-        expect_sparse_gradients=sparse,
-        bucket_bytes_cap=config.bucket_bytes_cap,
-        find_unused_parameters=ddp.find_unused_parameters,
-        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-        param_to_name_mapping=ddp._build_debug_param_to_name_mapping(ordered),
-        first_bucket_bytes_cap=config.first_bucket_bytes_cap,
-        skip_all_reduce_unused_params=getattr(ddp, "skip_all_reduce_unused_params", False),
-        use_python_reducer=False,
-        bucket_bytes_cap_list=caps or [_bucket_bytes(ordered, b) for b in new_layout],
-        batched_grad_copy=getattr(ddp, "batched_grad_copy", False),
-    )
-    logger = dist.Logger(reducer)
-    reducer.set_logger(logger)
-    has_sync_bn = any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())
-    logger.set_construction_data_and_log(
-        ddp.module.__class__.__name__,
-        [] if ddp.device_ids is None else ddp.device_ids,
-        -1 if ddp.output_device is None else ddp.output_device,
-        ddp.forward_sync_buffers,
-        has_sync_bn,
-        False,  # static_graph: a blocker above, never set here
+    sizes = [_bucket_bytes(ordered, b) for b in new_layout]
+    reducer, logger = _new_reducer(
+        ddp, ordered, new_layout, sizes, caps or sizes, sparse, ddp._build_debug_param_to_name_mapping(ordered)
     )
     # With find_unused_parameters the reducer never rebuilds: the layout is already final.
     frozen = ddp.find_unused_parameters or caps is not None
@@ -240,33 +216,8 @@ def release_reducer_buckets(ddp: DistributedDataParallel) -> int:
     released = sum(p.numel() * p.element_size() for p in params)
     hook_name = ddp._get_ddp_logging_data().get("comm_hook") or None
     placeholder = torch.nn.Parameter(torch.zeros(1, device=params[0].device if params else None))
-    config = ddp._bucket_config
-    reducer = dist.Reducer(
-        params=[placeholder],
-        bucket_indices=[[0]],
-        per_bucket_size_limits=[placeholder.element_size()],
-        process_group=ddp.process_group,
-        expect_sparse_gradients=[False],
-        bucket_bytes_cap=config.bucket_bytes_cap,
-        find_unused_parameters=ddp.find_unused_parameters,
-        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-        param_to_name_mapping={0: "(idle reducer placeholder)"},
-        first_bucket_bytes_cap=config.first_bucket_bytes_cap,
-        skip_all_reduce_unused_params=getattr(ddp, "skip_all_reduce_unused_params", False),
-        use_python_reducer=False,
-        bucket_bytes_cap_list=[placeholder.element_size()],
-        batched_grad_copy=getattr(ddp, "batched_grad_copy", False),
-    )
-    logger = dist.Logger(reducer)
-    reducer.set_logger(logger)
-    logger.set_construction_data_and_log(
-        ddp.module.__class__.__name__,
-        [] if ddp.device_ids is None else ddp.device_ids,
-        -1 if ddp.output_device is None else ddp.output_device,
-        ddp.forward_sync_buffers,
-        any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules()),
-        False,
-    )
+    size = [placeholder.element_size()]
+    reducer, logger = _new_reducer(ddp, [placeholder], [[0]], size, size, [False], {0: "(idle reducer placeholder)"})
     if hook_name is not None:
         logger._set_comm_hook_name(str(hook_name))
     ddp.reducer = reducer
@@ -279,6 +230,47 @@ def reducer_bucket_elements(ddp: DistributedDataParallel) -> int:
     """Elements in the gradient buckets DDP's reducer holds (`Reducer::get_grad_buckets` with zeros,
     exposed as `_get_zeros_like_grad_buckets`: allocates a zero copy of every bucket; for tests)."""
     return sum(bucket.buffer().numel() for bucket in ddp.reducer._get_zeros_like_grad_buckets())
+
+
+def _new_reducer(
+    ddp: DistributedDataParallel,
+    params: Sequence[torch.nn.Parameter],
+    bucket_indices: Sequence[Sequence[int]],
+    bucket_bytes: Sequence[int],
+    caps: Sequence[int],
+    sparse: Sequence[bool],
+    names: dict[int, str],
+) -> tuple[Any, Any]:
+    """A `dist.Reducer` over `params` in `bucket_indices` with `ddp`'s options, and its `dist.Logger`
+    (as `DistributedDataParallel._ddp_init_helper` builds them; static_graph is never set here)."""
+    config = ddp._bucket_config
+    reducer = dist.Reducer(
+        params=list(params),
+        bucket_indices=[list(b) for b in bucket_indices],
+        per_bucket_size_limits=list(bucket_bytes),
+        process_group=ddp.process_group,
+        expect_sparse_gradients=list(sparse),
+        bucket_bytes_cap=config.bucket_bytes_cap,
+        find_unused_parameters=ddp.find_unused_parameters,
+        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+        param_to_name_mapping=names,
+        first_bucket_bytes_cap=config.first_bucket_bytes_cap,
+        skip_all_reduce_unused_params=getattr(ddp, "skip_all_reduce_unused_params", False),
+        use_python_reducer=False,
+        bucket_bytes_cap_list=list(caps),
+        batched_grad_copy=getattr(ddp, "batched_grad_copy", False),
+    )
+    logger = dist.Logger(reducer)
+    reducer.set_logger(logger)
+    logger.set_construction_data_and_log(
+        ddp.module.__class__.__name__,
+        [] if ddp.device_ids is None else ddp.device_ids,
+        -1 if ddp.output_device is None else ddp.output_device,
+        ddp.forward_sync_buffers,
+        any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules()),
+        False,
+    )
+    return reducer, logger
 
 
 def _bucket_bytes(params: Sequence[torch.nn.Parameter], bucket: Sequence[int]) -> int:

@@ -24,7 +24,6 @@ from tests.multi_gpu.ddp_compare import (
     ok,
     run_scenarios,
     snapshot,
-    train_against_eager,
 )
 from tests.ranks import run_ranks, to_rank_device, wrap_ddp
 
@@ -32,26 +31,10 @@ pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(600)]
 
 pytest.importorskip("transformers", reason="needs the `transformers` package (test extra)")
 
-from tests.multi_gpu.test_transformers_multirank import CAP_MB, MODELS, _logits_loss  # noqa: E402
+from tests.multi_gpu.test_transformers_multirank import CAP_MB, MODELS, _logits_loss, _scenario  # noqa: E402
 
 IN_BACKWARD = ("gpt2", "bert", "t5", "vit", "resnet")  # llama: tests/multi_gpu/test_in_backward_multirank.py
 UPDATES = 3
-
-
-def _in_graph(name: str):
-    make_model, make_input = MODELS[name]
-
-    def run(rank: int) -> dict:
-        return train_against_eager(
-            make_model,
-            lambda step: make_input(rank, step),
-            loss_fn=_logits_loss,
-            ddp_kwargs={"bucket_cap_mb": CAP_MB},
-            backend="aot_eager",
-            ddp="in_graph",
-        )
-
-    return run
 
 
 def _in_backward(name: str):
@@ -96,7 +79,7 @@ def _in_backward(name: str):
 
 
 def _all(rank: int, world_size: int) -> dict:
-    scenarios = {f"in_graph/{name}": _in_graph(name) for name in MODELS}
+    scenarios = {f"in_graph/{name}": _scenario(name, ddp="in_graph") for name in MODELS}
     scenarios.update({f"in_backward/{name}": _in_backward(name) for name in IN_BACKWARD})
     return run_scenarios(scenarios, rank)
 

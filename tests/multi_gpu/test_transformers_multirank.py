@@ -114,7 +114,8 @@ MODELS = {
 }
 
 
-def _scenario(name: str):
+def _scenario(name: str, **compile_kwargs):
+    """One model family trained by `compile_core.compile(..., **compile_kwargs)` against eager DDP."""
     make_model, make_input = MODELS[name]
 
     def run(rank: int) -> dict:
@@ -124,6 +125,7 @@ def _scenario(name: str):
             loss_fn=_logits_loss,
             ddp_kwargs={"bucket_cap_mb": CAP_MB},
             backend="aot_eager",
+            **compile_kwargs,
         )
 
     return run

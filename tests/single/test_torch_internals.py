@@ -155,9 +155,9 @@ def test_reducer_swap_blocker_reads_ddp_flags(kwargs, words):
 
 
 def test_reducer_takes_our_keywords():
-    with canary("ddp/torch_ddp.py:install_reducer"):
+    with canary("ddp/torch_ddp.py:_new_reducer (install_reducer, release_reducer_buckets)"):
         doc = torch.distributed.Reducer.__init__.__doc__
-        source = inspect.getsource(torch_ddp.install_reducer)
+        source = inspect.getsource(torch_ddp._new_reducer)
         for keyword in (
             "params",
             "bucket_indices",
