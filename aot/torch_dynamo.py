@@ -11,6 +11,7 @@ Public routes (`torch.compile`, `torch.compiler.reset`, `functorch.compile`) are
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -71,13 +72,19 @@ def compile_with_guard_hook(
         where = f"{code.co_filename}:{code.co_firstlineno} {code.co_name}" if code is not None else ""
         on_guard_fail(str(getattr(failure, "reason", failure)), where)
 
+    # isolate_recompiles came with torch 2.13; without it (older builds, e.g. the GPU machines' 2.11) the
+    # wrappers of one code object share its cache, which only matters with several of them in a process.
+    isolation = {"isolate_recompiles": isolate_recompiles} if _TAKES_ISOLATE_RECOMPILES else {}
     return torch._dynamo.optimize(
         backend,
         nopython=fullgraph,
         dynamic=dynamic,
         guard_fail_fn=guard_fail_fn,
-        isolate_recompiles=isolate_recompiles,
+        **isolation,
     )(fn)
+
+
+_TAKES_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
 
 
 def lookup_backend(name: str) -> Callable[..., Any]:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.modes import ModeContext, ModeUnavailable, Step
+from benchmarks.modes import ModeContext, ModeUnavailable, Step, compile_options
 from examples.gpt import lm_loss
 
 WIRE_DTYPES = {None: None, "fp16": torch.float16}
@@ -36,10 +36,10 @@ WIRE_DTYPES = {None: None, "fp16": torch.float16}
 
 
 def build_floor(ctx: ModeContext) -> Step:
-    compiled = torch.compile(ctx.model, backend=ctx.backend)
+    compiled = torch.compile(ctx.model, **compile_options(ctx))
     optimizer = ctx.optimizer
 
-    @torch.compile(backend=ctx.backend)
+    @torch.compile(**compile_options(ctx))
     def optimizer_step() -> None:
         optimizer.step()
 

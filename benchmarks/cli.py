@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="reduce_dtype= for our ddp='in_graph' modes only; other modes unchanged",
     )
+    p.add_argument(
+        "--compile-mode",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        default="default",
+        help="torch.compile mode of every compiled mode, ours and PyTorch's (reduce-overhead: CUDA graphs, "
+        "GPU only); needs --backend inductor",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--out-dir",
@@ -215,6 +222,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         link_gbit=args.link_gbit,
         comm_hook=None if args.comm_hook == "none" else args.comm_hook,
         reduce_dtype=args.reduce_dtype,
+        compile_mode=None if args.compile_mode == "default" else args.compile_mode,
     )
 
 

@@ -224,6 +224,8 @@ class BenchConfig:
     """DDP comm hook registered on every mode's DDP object: None or 'fp16' (`COMM_HOOKS`); floor has no DDP."""
     reduce_dtype: str | None = None
     """reduce_dtype= of our ddp='in_graph' modes: None, 'bf16' or 'fp16' (`REDUCE_DTYPES`); other modes unchanged."""
+    compile_mode: str | None = None
+    """torch.compile mode of every compiled mode, ours and PyTorch's ('reduce-overhead': CUDA graphs); None: default."""
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -263,6 +265,19 @@ class BenchConfig:
         if self.preset not in ("full", "quick", "smoke"):
             raise ValueError(f"BenchConfig.preset={self.preset!r}: use full, quick or smoke")
         self._check_link_and_reduction()
+        if self.compile_mode is not None:
+            from inductor.compilers import MODES as COMPILE_MODES
+
+            if self.compile_mode not in COMPILE_MODES:
+                raise ValueError(
+                    f"BenchConfig.compile_mode={self.compile_mode!r}: use None or one of {list(COMPILE_MODES)} "
+                    "(--compile-mode)"
+                )
+            if self.backend != "inductor":
+                raise ValueError(
+                    f"--compile-mode {self.compile_mode} needs --backend inductor (torch.compile takes a mode for "
+                    f"Inductor only), got --backend {self.backend}: drop one of them"
+                )
 
     def _check_link_and_reduction(self) -> None:
         if self.link_gbit is not None:

@@ -44,12 +44,19 @@ class ModeContext:
     """The run's optimizer (SGD or AdamW, see `make_optimizer`) over the model's parameters."""
     backend: str
     """Compiler backend name."""
+    compile_mode: str | None = None
+    """The torch.compile mode (--compile-mode, e.g. reduce-overhead) of every compiled mode; None: the default."""
     mark_backward: Callable[[], None]
     """Called right before loss.backward() (the overlap recorder's backward-start mark; a no-op otherwise)."""
     comm_hook: str | None = None
     """The comm hook the worker registered on `ddp` (--comm-hook: None or 'fp16')."""
     reduce_dtype: torch.dtype | None = None
     """reduce_dtype= for our ddp='in_graph' modes (--reduce-dtype); None: the gradients' dtype."""
+
+
+def compile_options(ctx: ModeContext) -> dict[str, Any]:
+    """backend= and, when the run names one, mode=: what every compile call of every mode takes."""
+    return {"backend": ctx.backend, **({"mode": ctx.compile_mode} if ctx.compile_mode else {})}
 
 
 def make_optimizer(name: str, params, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
@@ -116,7 +123,7 @@ def build_eager(ctx: ModeContext) -> Step:
 
 def _build_torch_compile(ctx: ModeContext) -> Step:
     counter = _PieceCounter().install()
-    compiled = torch.compile(ctx.ddp, backend=ctx.backend)
+    compiled = torch.compile(ctx.ddp, **compile_options(ctx))
     return Step(
         run=_eager_optimizer_step(ctx, compiled),
         info=lambda: {
@@ -142,10 +149,10 @@ def build_torch_savvy(ctx: ModeContext) -> Step:
     PyTorch's "Compiling the optimizer with torch.compile" recipe), same backend for both. The lr stays
     a constant Python float: the benchmark has no scheduler, so it never causes a recompile."""
     counter = _PieceCounter().install()
-    compiled = torch.compile(ctx.ddp, backend=ctx.backend)
+    compiled = torch.compile(ctx.ddp, **compile_options(ctx))
     optimizer = ctx.optimizer
 
-    @torch.compile(backend=ctx.backend)
+    @torch.compile(**compile_options(ctx))
     def optimizer_step() -> None:
         optimizer.step()
 
@@ -178,7 +185,7 @@ def build_torch_python_reducer(ctx: ModeContext) -> Step:
         loss.backward()
         return loss.detach()
 
-    compiled = torch.compile(forward_backward, backend=ctx.backend)
+    compiled = torch.compile(forward_backward, **compile_options(ctx))
 
     def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = compiled(x, y)
@@ -233,7 +240,7 @@ def _reduction(ctx: ModeContext, ddp_mode: str) -> dict[str, Any]:
 def _ours_compile(ctx: ModeContext, ddp_mode: str) -> Step:
     import compile_core
 
-    compiled = compile_core.compile(ctx.ddp, backend=ctx.backend, ddp=ddp_mode, **_reduction(ctx, ddp_mode))
+    compiled = compile_core.compile(ctx.ddp, **compile_options(ctx), ddp=ddp_mode, **_reduction(ctx, ddp_mode))
     return Step(run=_eager_optimizer_step(ctx, compiled), info=lambda: _report_info(compiled))
 
 
@@ -250,7 +257,7 @@ def _ours_step(ctx: ModeContext, **options: Any) -> Step:
     import compile_core
 
     step = compile_core.train_step(
-        ctx.ddp, ctx.optimizer, lm_loss, backend=ctx.backend, **_reduction(ctx, options["ddp"]), **options
+        ctx.ddp, ctx.optimizer, lm_loss, **compile_options(ctx), **_reduction(ctx, options["ddp"]), **options
     )
     # the backward runs inside the step, so the recorder falls back to the first bucket's ready time
     return Step(run=lambda x, y: step(x, y).detach(), info=lambda: _report_info(step))

@@ -352,7 +352,7 @@ def write_report(result: dict[str, Any], *, chart: Path | None, json_path: Path,
 
 
 def run_condition_lines(cfg: dict[str, Any]) -> list[str]:
-    """Link, comm hook and reduce dtype of the run (results of older runs: the plain defaults)."""
+    """Link, comm hook, reduce dtype and compile mode of the run (results of older runs: the plain defaults)."""
     from benchmarks.link import LinkShape
 
     link = cfg.get("link_gbit")
@@ -373,6 +373,7 @@ def run_condition_lines(cfg: dict[str, Any]) -> list[str]:
             if reduce_dtype
             else "none"
         ),
+        f"- torch.compile mode: {cfg.get('compile_mode') or 'default'} (every compiled mode)",
     ]
 
 

@@ -39,6 +39,7 @@ def _worker_spec(
         "plot": cfg.plot,
         "comm_hook": cfg.comm_hook,
         "reduce_dtype": cfg.reduce_dtype,
+        "compile_mode": cfg.compile_mode,
         "link_gbit": cfg.link_gbit,  # recorded only: the runner shapes the link (benchmarks/link.py)
     }
 

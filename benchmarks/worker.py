@@ -88,6 +88,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
             mark_backward=mark,
             comm_hook=spec.get("comm_hook"),
             reduce_dtype=reduce_dtype,
+            compile_mode=spec.get("compile_mode"),
         )
     )
 

@@ -243,22 +243,25 @@ def _new_reducer(
 ) -> tuple[Any, Any]:
     """A `dist.Reducer` over `params` in `bucket_indices` with `ddp`'s options, and its `dist.Logger`
     (as `DistributedDataParallel._ddp_init_helper` builds them; static_graph is never set here)."""
-    config = ddp._bucket_config
+    cap, first_cap = _bucket_caps(ddp)
+    # batched_grad_copy is a DDP option of torch 2.13 (its Reducer keyword came with it): passed where
+    # this DDP has it, so older builds (the GPU machines lent here have 2.11) build the same Reducer.
+    newer = {"batched_grad_copy": ddp.batched_grad_copy} if hasattr(ddp, "batched_grad_copy") else {}
     reducer = dist.Reducer(
         params=list(params),
         bucket_indices=[list(b) for b in bucket_indices],
         per_bucket_size_limits=list(bucket_bytes),
         process_group=ddp.process_group,
         expect_sparse_gradients=list(sparse),
-        bucket_bytes_cap=config.bucket_bytes_cap,
+        bucket_bytes_cap=cap,
         find_unused_parameters=ddp.find_unused_parameters,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         param_to_name_mapping=names,
-        first_bucket_bytes_cap=config.first_bucket_bytes_cap,
+        first_bucket_bytes_cap=first_cap,
         skip_all_reduce_unused_params=getattr(ddp, "skip_all_reduce_unused_params", False),
         use_python_reducer=False,
         bucket_bytes_cap_list=list(caps),
-        batched_grad_copy=getattr(ddp, "batched_grad_copy", False),
+        **newer,
     )
     logger = dist.Logger(reducer)
     reducer.set_logger(logger)
@@ -266,11 +269,28 @@ def _new_reducer(
         ddp.module.__class__.__name__,
         [] if ddp.device_ids is None else ddp.device_ids,
         -1 if ddp.output_device is None else ddp.output_device,
-        ddp.forward_sync_buffers,
+        _syncs_buffers(ddp),
         any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules()),
         False,
     )
     return reducer, logger
+
+
+def _syncs_buffers(ddp: DistributedDataParallel) -> bool:
+    """Whether DDP syncs buffers in its forward, as its Logger records it: `forward_sync_buffers`
+    (torch 2.13), `broadcast_buffers` before it."""
+    return bool(ddp.forward_sync_buffers if hasattr(ddp, "forward_sync_buffers") else ddp.broadcast_buffers)
+
+
+def _bucket_caps(ddp: DistributedDataParallel) -> tuple[int, int]:
+    """DDP's bucket cap and first-bucket cap in bytes: `ddp._bucket_config` (torch 2.13); before it,
+    `bucket_bytes_cap` with the first bucket at `dist._DEFAULT_FIRST_BUCKET_BYTES` when the user left the
+    cap at its default (what `_ddp_init_helper` passes the Reducer there)."""
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None:
+        return config.bucket_bytes_cap, config.first_bucket_bytes_cap
+    cap = ddp.bucket_bytes_cap
+    return cap, (dist._DEFAULT_FIRST_BUCKET_BYTES if getattr(ddp, "bucket_bytes_cap_default", False) else cap)
 
 
 def _bucket_bytes(params: Sequence[torch.nn.Parameter], bucket: Sequence[int]) -> int:

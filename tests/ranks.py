@@ -36,9 +36,26 @@ def backend_for(world_size: int) -> str:
     return "gloo"
 
 
+RANK_DEVICE_ENV = "DDP_COMPILE_TEST_DEVICE"
+"""Set to "cuda" to put every gloo rank's model and data on a GPU (ranks share GPUs round-robin): with one
+GPU, the 2-rank tests then run gloo over CUDA tensors. Unset or "cpu": gloo ranks stay on the CPU."""
+
+
+def _forced_device() -> str | None:
+    value = os.environ.get(RANK_DEVICE_ENV, "").strip().lower()
+    if value in ("", "cpu"):
+        return None
+    if value != "cuda":
+        raise ValueError(f"{RANK_DEVICE_ENV}={value!r}: use 'cuda' (gloo ranks on GPUs) or 'cpu'/unset")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{RANK_DEVICE_ENV}=cuda but torch sees no GPU here: unset it")
+    return value
+
+
 def rank_device(rank: int) -> torch.device:
-    """The device a rank's model and data live on: its own GPU under nccl, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    """The device a rank's model and data live on: its own GPU under nccl; under gloo the CPU, or a GPU
+    shared round-robin when `DDP_COMPILE_TEST_DEVICE=cuda` (see `RANK_DEVICE_ENV`)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl" or _forced_device():
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
 
@@ -82,8 +99,8 @@ def _worker(
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
+        if backend == "nccl" or _forced_device():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",

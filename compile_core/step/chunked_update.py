@@ -349,6 +349,9 @@ def _arguments(optimizer: torch.optim.Optimizer, group_index: int, params: Any, 
     group = optimizer.param_groups[group_index]
     params = list(params)
     grads = [p.grad for p in params]
+    # the scalar rows go where the chunk's parameters are (a chunk holds one device): a CUDA kernel
+    # reading a CPU tensor fails at launch
+    device = params[0].device if params else None
     if isinstance(optimizer, torch.optim.SGD):
         buffers = [s.get("momentum_buffer") if group["momentum"] != 0 else None for s in states]
         flags = {
@@ -356,7 +359,7 @@ def _arguments(optimizer: torch.optim.Optimizer, group_index: int, params: Any, 
             "nesterov": group["nesterov"],
             "maximize": group["maximize"],
         }
-        return params, grads, buffers, optim_math.scalars(optimizer, group, [0.0] * len(params)), flags
+        return params, grads, buffers, optim_math.scalars(optimizer, group, [0.0] * len(params), device), flags
     amsgrad = bool(group.get("amsgrad"))
     steps = [float(s["step"]) + 1 for s in states]  # the step this update reaches (eager reads it after += 1)
     flags = {
@@ -371,7 +374,7 @@ def _arguments(optimizer: torch.optim.Optimizer, group_index: int, params: Any, 
         [s["exp_avg_sq"] for s in states],
         [s["max_exp_avg_sq"] for s in states] if amsgrad else [None] * len(params),
         [s["step"] for s in states],
-        optim_math.scalars(optimizer, group, steps),
+        optim_math.scalars(optimizer, group, steps, device),
         flags,
     )
 

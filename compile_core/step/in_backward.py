@@ -77,7 +77,8 @@ class OptimizerInBackward:
         self.optimizer = optimizer
         self.clip_max_norm = clip_max_norm
         """With clipping, every bucket is updated after the last all-reduce (global norm first)."""
-        self.norm = torch.zeros((), dtype=torch.float32) if clip_max_norm is not None else None
+        device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
+        self.norm = torch.zeros((), dtype=torch.float32, device=device) if clip_max_norm is not None else None
         """Receives the total gradient norm (before clipping) from the backward."""
         self._templates: dict[tuple[int, torch.dtype, torch.device], UpdateTemplate] = {}
         self._group_of: dict[int, int] = {}
@@ -107,7 +108,7 @@ class OptimizerInBackward:
             steps = [
                 float(self.optimizer.state[p]["step"]) + 1 if optim_math.is_adam(self.optimizer) else 0.0 for p in ready
             ]
-            rows = optim_math.scalars(self.optimizer, group, steps).to(ready[0].device)
+            rows = optim_math.scalars(self.optimizer, group, steps, ready[0].device)
             for p, row in zip(ready, rows):
                 self._rows[id(p)] = row
 
@@ -153,7 +154,7 @@ class OptimizerInBackward:
         state_keys = tuple(k for k in _state_keys(self.optimizer, group) if k in state)
         # A small stand-in with the same dtype/device: the update is elementwise.
         tiny = lambda t: t.detach().reshape(-1)[:4].clone() if t.dim() else t.detach().clone()  # noqa: E731
-        row = optim_math.scalars(self.optimizer, group, [1.0]).to(param.device)[0]
+        row = optim_math.scalars(self.optimizer, group, [1.0], param.device)[0]
         args = [tiny(param), tiny(param)] + [tiny(state[k]) for k in state_keys] + [row]
         fn = _update_function(self.optimizer, group, state_keys)
         # In Inductor's terms (what a graph spliced after partitioning must be), fine for aot_eager too.

@@ -55,8 +55,10 @@ def covers(params: Sequence[torch.Tensor]) -> bool:
     return all(p.is_floating_point() for p in params)
 
 
-def scalars(optimizer: torch.optim.Optimizer, group: dict, steps: Sequence[float]) -> torch.Tensor:
-    """One row of scalars per parameter, for an update that brings each to `steps[i]` (float32)."""
+def scalars(
+    optimizer: torch.optim.Optimizer, group: dict, steps: Sequence[float], device: torch.device | None = None
+) -> torch.Tensor:
+    """One row of scalars per parameter, for an update that brings each to `steps[i]` (float32, on `device`)."""
     if is_adam(optimizer):
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
@@ -66,7 +68,7 @@ def scalars(optimizer: torch.optim.Optimizer, group: dict, steps: Sequence[float
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         momentum, dampening = float(group["momentum"]), float(group["dampening"])
         rows = [[wd, momentum, 1 - dampening, -lr] for _ in steps]
-    return torch.tensor(rows, dtype=torch.float32)
+    return torch.tensor(rows, dtype=torch.float32, device=device)
 
 
 def adam_math(

@@ -735,6 +735,33 @@ def test_new_config_values_are_checked_naming_the_value_and_the_fix():
     assert BenchConfig(workloads=w, reduce_dtype="fp16", comm_hook="fp16").reduce_dtype == "fp16"  # same wire
 
 
+def test_compile_mode_reaches_every_job_and_every_compile_call():
+    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.modes import ModeContext, compile_options
+    from benchmarks.suite import CacheDirs, plan_round
+
+    cfg = _cfg("--quick", "--compile-mode", "reduce-overhead", "--modes", "torch_savvy,ours_step_in_graph")
+    assert cfg.compile_mode == "reduce-overhead" and _cfg("--quick").compile_mode is None
+    caches = CacheDirs()
+    try:
+        assert {j.worker["compile_mode"] for j in plan_round(cfg, 1, caches)} == {"reduce-overhead"}
+    finally:
+        caches.cleanup()
+    import torch
+
+    ctx = dict(ddp=None, model=torch.nn.Linear(1, 1), optimizer=None, backend="inductor", mark_backward=lambda: None)
+    assert compile_options(ModeContext(**ctx, compile_mode="reduce-overhead")) == {
+        "backend": "inductor",
+        "mode": "reduce-overhead",
+    }
+    assert compile_options(ModeContext(**ctx)) == {"backend": "inductor"}  # no mode: torch.compile's default
+    w = (Workload(name="w"),)
+    with pytest.raises(ValueError, match="compile_mode='fast'.*reduce-overhead"):
+        BenchConfig(workloads=w, compile_mode="fast")
+    with pytest.raises(ValueError, match="--compile-mode reduce-overhead needs --backend inductor.*aot_eager"):
+        BenchConfig(workloads=w, backend="aot_eager", compile_mode="reduce-overhead")
+
+
 def test_bracket_modes_get_one_kind_of_job_each_and_no_scaling_or_overlap_jobs(tmp_path):
     from benchmarks.suite import CacheDirs, plan_overlap, plan_round
 

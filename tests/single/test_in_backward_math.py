@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from compile_core.step import chunked_update
 from compile_core.step.in_backward import OptimizerInBackward
 
 
@@ -60,3 +62,27 @@ def test_the_first_moment_formula_is_fixed_when_the_template_is_captured():
     assert torch.ops.aten.where.self not in targets, targets
     optimizer.param_groups[0]["betas"] = (0.4, 0.99)
     assert "low_lerp" in (updates.changed_hyperparameters() or "")
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_the_chunked_update_gets_its_scalar_rows_on_the_parameters_device(opt_cls):
+    # A CUDA kernel handed a CPU tensor fails at launch (seen on an H100: "CUDA driver error: invalid
+    # argument" in the first compiled update); the meta device stands in for the GPU here.
+    params = [nn.Parameter(torch.empty(4, device="meta")) for _ in range(2)]
+    for p in params:
+        p.grad = torch.empty(4, device="meta")
+    optimizer = opt_cls(params, lr=0.1, **({"momentum": 0.9} if opt_cls is torch.optim.SGD else {}))
+    states = [
+        {"momentum_buffer": None}
+        if opt_cls is torch.optim.SGD
+        else {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.empty(4, device="meta"),
+            "exp_avg_sq": torch.empty(4, device="meta"),
+        }
+        for _ in params
+    ]
+    arguments = chunked_update._arguments(optimizer, 0, params, states)
+    rows = [a for a in arguments if isinstance(a, torch.Tensor)]
+    assert len(rows) == 1 and rows[0].shape[0] == len(params)
+    assert rows[0].device.type == "meta"

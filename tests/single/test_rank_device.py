@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 from torch import nn
 
@@ -33,6 +34,21 @@ def test_to_rank_device_on_the_cpu_changes_nothing(pg):
     batch = [(x,)]
     assert ranks.rank_device(0) == torch.device("cpu")  # a gloo group
     assert ranks.to_rank_device(batch)[0][0] is x  # the same tensor: no copy, the same numbers
+
+
+def test_a_gloo_rank_goes_to_a_gpu_only_when_the_environment_asks_and_a_gpu_exists(pg, monkeypatch):
+    monkeypatch.setenv(ranks.RANK_DEVICE_ENV, "cpu")
+    assert ranks.rank_device(0) == torch.device("cpu")
+    monkeypatch.setenv(ranks.RANK_DEVICE_ENV, "gpu")
+    with pytest.raises(ValueError, match="DDP_COMPILE_TEST_DEVICE='gpu'.*'cuda'"):
+        ranks.rank_device(0)
+    monkeypatch.setenv(ranks.RANK_DEVICE_ENV, "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="sees no GPU"):
+        ranks.rank_device(0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert ranks.rank_device(1) == torch.device("cuda", 0)  # two gloo ranks share the one GPU
 
 
 def test_wrap_ddp_gives_a_gpu_module_its_device_ids_and_a_cpu_module_none(monkeypatch):

@@ -172,10 +172,13 @@ def test_reducer_takes_our_keywords():
             "skip_all_reduce_unused_params",
             "use_python_reducer",
             "bucket_bytes_cap_list",
-            "batched_grad_copy",
         ):
             assert f"{keyword}=" in source
             assert f"{keyword}:" in doc, f"Reducer no longer takes {keyword}="
+        # DDP's batched_grad_copy option (torch 2.13) reaches the Reducer wherever DDP has it
+        assert '"batched_grad_copy"' in source
+        if "batched_grad_copy" in inspect.signature(DDP.__init__).parameters:
+            assert "batched_grad_copy:" in doc, "Reducer no longer takes batched_grad_copy="
 
 
 def test_release_reducer_buckets_leaves_ddp_working_with_an_idle_one_element_reducer():

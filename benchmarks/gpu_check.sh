@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU checks, in parts, for a machine with one CUDA GPU (a lent device machine; CI never runs this):
+#
+#   OUT=/some/dir bash benchmarks/gpu_check.sh env internals in_graph_cuda bench_default bench_cudagraphs
+#
+#   env               GPU, driver, torch/triton versions; our packages import
+#   internals         the canary tests of the private torch names we use (this torch may not be 2.13)
+#   in_graph_cuda     the in-graph / in-backward / train_step / DDP-options 2-rank tests, both gloo ranks on
+#                     CUDA tensors (DDP_COMPILE_TEST_DEVICE=cuda), Inductor's kernels in Triton
+#   transformers_cpu  the Hugging Face in-graph tests with CPU ranks (this torch, no GPU involved)
+#   bench_default     the benchmark's single-process part: world size 1 (nccl), comm workload, every compiled
+#                     mode, Inductor default mode
+#   bench_cudagraphs  the same with --compile-mode reduce-overhead (CUDA graphs) for every mode
+#
+# Each part has its own time limit and log (under $OUT/logs, tarred to $OUT/logs.tgz at the end); the whole
+# script stops starting parts when BUDGET_S seconds are spent. One line per part goes to $OUT/summary.txt.
+set -u
+OUT=${OUT:-$PWD/gpu_out}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+PY=${PYTHON:-python3}
+DEADLINE=$(($(date +%s) + ${BUDGET_S:-560}))
+BENCH_MODES=${BENCH_MODES:-eager,torch_ddpopt,torch_savvy,ours_compile,ours_in_graph,ours_step,ours_step_in_graph,ours_step_in_backward}
+TESTS=(
+    tests/multi_gpu/test_in_graph_multirank.py
+    tests/multi_gpu/test_in_backward_multirank.py
+    tests/multi_gpu/test_in_graph_field_multirank.py
+    tests/multi_gpu/test_in_backward_field_multirank.py
+    tests/multi_gpu/test_transformers_in_graph_multirank.py
+    tests/multi_gpu/test_train_step_multirank.py
+    tests/multi_gpu/test_ddp_options_multirank.py
+)
+
+part() { # part NAME LIMIT_S COMMAND...: run with a limit (cut to what is left), log, one summary line
+    local name=$1 limit=$2
+    shift 2
+    local left=$((DEADLINE - $(date +%s) - 10))
+    ((left < limit)) && limit=$left
+    if ((limit < 20)); then
+        echo "$name: not run (no time left)" | tee -a "$OUT/summary.txt"
+        return
+    fi
+    local t0
+    t0=$(date +%s)
+    timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc in $(($(date +%s) - t0)) s (limit $limit): $(tail -n 1 "$LOGS/$name.log" | cut -c1-300)" |
+        tee -a "$OUT/summary.txt"
+}
+
+bench() { # bench NAME MODES EXTRA_ARGS...: the world-size-1 benchmark of the comm workload
+    local name=$1 modes=$2
+    shift 2
+    part "$name" "${BENCH_LIMIT_S:-300}" "$PY" -m benchmarks --workloads comm --world-size 1 --modes "$modes" \
+        --rounds 1 --no-cold-warm --no-scaling --no-overlap --no-plot --warmup 3 --steps 20 --timeout 150 \
+        --out-dir "$OUT/$name" --markdown "$OUT/$name/BENCHMARKS.md" "$@"
+}
+
+for name in "$@"; do
+    case $name in
+    env)
+        part env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, torch.version.cuda, \
+triton.__version__, torch.cuda.get_device_name(0)); import compile_core, ddp, aot, inductor, benchmarks; \
+print(\"our packages import\")'"
+        ;;
+    internals)
+        part internals 120 "$PY" -m pytest -q -p no:cacheprovider --timeout 100 -n 4 tests/single/test_torch_internals.py
+        ;;
+    in_graph_cuda)
+        part in_graph_cuda "${TESTS_LIMIT_S:-240}" env DDP_COMPILE_TEST_DEVICE=cuda "$PY" -m pytest -q -rfE \
+            -p no:cacheprovider --timeout 200 -n "${TEST_WORKERS:-8}" "${TESTS[@]}"
+        ;;
+    transformers_cpu) # the same model families on CPU ranks of this torch: tells a CUDA failure from a torch one
+        part transformers_cpu "${TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -rfE -p no:cacheprovider --timeout 200 \
+            -n "${TEST_WORKERS:-8}" -k reduced_inside tests/multi_gpu/test_transformers_in_graph_multirank.py
+        ;;
+    bench_default) bench bench_default "$BENCH_MODES" ;;
+    bench_cudagraphs) bench bench_cudagraphs "${CUDAGRAPH_MODES:-$BENCH_MODES}" --compile-mode reduce-overhead ;;
+    *) echo "unknown part $name" | tee -a "$OUT/summary.txt" ;;
+    esac
+done
+tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz --exclude summary.txt . 2>/dev/null
+rm -rf "$LOGS" "$OUT"/bench_*
+cat "$OUT/summary.txt"
