@@ -15,11 +15,13 @@ Algorithm:
     parameter, as an aten graph whose only in-place ops are the final copies into the parameter and
     the state (`aot.torch_dynamo.capture_functional`). The math is elementwise, so one graph serves
     every parameter shape of that group.
-  * From update 2 the compiled backward applies that graph per parameter right after its bucket's
-    all-reduce lands (ddp/in_graph/graph_pass.py), with that update's scalar vector (computed before
-    the forward: lr, betas, momentum, weight decay and the step count are values, so schedules never
-    recompile); the state tensors are the optimizer's own, updated in place, so
-    `optimizer.state_dict()` is what an eager run gives.
+  * From update 2 the compiled backward applies that update right after its bucket's all-reduce lands
+    (ddp/in_graph/graph_pass.py): on the GPU the graph is spliced in per parameter; on the CPU one
+    opaque op per bucket calls the same math compiled once per parameter size (Note [An opaque update
+    op instead of spliced update nodes] in ddp/in_graph/update_op.py). Either way with that update's
+    scalar vector (computed before the forward: lr, betas, momentum, weight decay and the step count
+    are values, so schedules never recompile); the state tensors are the optimizer's own, updated in
+    place, so `optimizer.state_dict()` is what an eager run gives.
 
 Notes: only SGD, Adam and AdamW (exactly these classes, any of their options, foreach and fused
 included) are done in the backward; any other optimizer, or a model that does not compile into a
@@ -47,6 +49,7 @@ import torch
 from aot.torch_dynamo import capture_functional
 from compile_core.step import optim_math
 from ddp.in_graph.graph_pass import UpdateTemplate
+from ddp.in_graph.update_op import register_kernel
 from inductor.torch_inductor import decompositions
 
 _SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -73,9 +76,17 @@ class OptimizerInBackward:
     Implements `ddp.in_graph.update_inputs.UpdateProvider`.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_max_norm: float | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        clip_max_norm: float | None = None,
+        compile_kernel: Callable[[Callable[..., None]], Callable[..., None]] | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.clip_max_norm = clip_max_norm
+        self.compile_kernel = compile_kernel
+        """Compiles one parameter's update (dynamic shapes) for the per-bucket op; None: spliced graphs."""
         """With clipping, every bucket is updated after the last all-reduce (global norm first)."""
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
         self.norm = torch.zeros((), dtype=torch.float32, device=device) if clip_max_norm is not None else None
@@ -159,7 +170,47 @@ class OptimizerInBackward:
         fn = _update_function(self.optimizer, group, state_keys)
         # In Inductor's terms (what a graph spliced after partitioning must be), fine for aot_eager too.
         graph, positions = capture_functional(fn, args, decompositions=decompositions())
-        return UpdateTemplate(graph=graph, positions=tuple(positions), state_keys=state_keys, hyper_keys=("scalars",))
+        kind = None
+        # CPU: one extern op per bucket (the spliced nodes cost ~4x the backward's compile time in C++
+        # codegen, and a CPU call per parameter is cheap). GPU: spliced, so the updates fuse into a few
+        # Triton kernels instead of several launches per parameter (not measured yet: no GPU with 2.13).
+        if self.compile_kernel is not None and param.device.type == "cpu":
+            kind = _kind(self.optimizer, group, state_keys, param)
+            register_kernel(kind, _per_parameter_kernel(fn, self.compile_kernel, len(state_keys)))
+        return UpdateTemplate(
+            graph=graph, positions=tuple(positions), state_keys=state_keys, hyper_keys=("scalars",), kind=kind
+        )
+
+
+def _kind(optimizer: torch.optim.Optimizer, group: dict, state_keys: tuple[str, ...], param: torch.Tensor) -> str:
+    """The kernel's name: everything its math depends on, and nothing that differs between processes (a
+    cached backward graph names it)."""
+    flags = ",".join(f"{k}={int(v)}" for k, v in _flags(optimizer, group))
+    return f"{type(optimizer).__name__}[{flags}][{','.join(state_keys)}]/{param.dtype}/{param.device.type}"
+
+
+def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: Callable, per_param: int):
+    """`kernel(params, grads, states, rows)`: the update compiled once per parameter size (flattened:
+    same-sized parameters share a compile), each size its own cache; static shapes, so a gradient's
+    offset into its bucket's buffer never recompiles. A non-contiguous parameter runs the math eagerly."""
+    by_numel: dict[int, Callable[..., None]] = {}
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1) if t.dim() else t
+
+    def kernel(params, grads, states, rows) -> None:
+        for i, (param, grad) in enumerate(zip(params, grads)):
+            own = states[i * per_param : (i + 1) * per_param]
+            tensors = [param, grad, *own]
+            if not all(t.is_contiguous() for t in tensors):
+                fn(param, grad, *own, rows[i])
+                continue
+            compiled = by_numel.get(param.numel())
+            if compiled is None:
+                compiled = by_numel[param.numel()] = compile_kernel(fn)
+            compiled(*[flat(t) for t in tensors], rows[i])
+
+    return kernel
 
 
 def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:
@@ -227,10 +278,16 @@ class InBackwardController:
     """When `train_step` updates inside the backward, and why not when it does not (see the Note)."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, reducer: Any, *, clip_max_norm: float | None, blocker: str | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        reducer: Any,
+        *,
+        clip_max_norm: float | None,
+        blocker: str | None = None,
+        compile_kernel: Callable[[Callable[..., None]], Callable[..., None]] | None = None,
     ) -> None:
         self.reducer = reducer
-        self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm)
+        self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm, compile_kernel=compile_kernel)
         self.reason: str | None = blocker or support(optimizer)
         """Why updates are not (or no longer) inside the backward; None while they are or may be."""
         self.from_update: int | None = None

@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import DynamoError, cause_chain
+from aot.torch_dynamo import DynamoError, cause_chain, lookup_backend
 from compile_core.events import CompileEvents
 from compile_core.step.checks import NO_TARGET, check_inputs, check_loss, split_args
 from compile_core.step.chunked_update import ChunkedUpdate
@@ -122,6 +122,7 @@ class TrainStep:
                 self.compiled_model.in_graph,
                 clip_max_norm=config.clip_grad_norm,
                 blocker=None if grad_scaler is None else "a GradScaler must see every gradient before any update",
+                compile_kernel=self._compile_update_kernel,
             )
             if self._in_backward.reason is not None:
                 logger.warning("train_step: optimizer update stays after the backward: %s", self._in_backward.reason)
@@ -216,6 +217,14 @@ class TrainStep:
         else:
             norm = self._eager_update()
         return norm
+
+    def _compile_update_kernel(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """One parameter's update for the backward's per-bucket op, compiled like the update (static shapes,
+        a cache of its own; its compiles are the optimizer's, in the report)."""
+        backend = self.config.backend
+        return self._opt_events.compile(
+            fn, lookup_backend(backend) if isinstance(backend, str) else backend, dynamic=False, isolate_recompiles=True
+        )
 
     def _update_fn(self) -> Callable[[], torch.Tensor | None]:
         return clip_and_step(self._params, self.config.clip_grad_norm, self.optimizer)

@@ -45,6 +45,7 @@ import torch.fx as fx
 
 from aot.torch_dynamo import grad_outputs, graph_fake_mode, input_placeholders, save_for_backward
 from ddp.bucketing.grad_buckets import GradBucketPlan
+from ddp.in_graph.update_op import BUCKET_UPDATE
 from ddp.torch_ddp import functional_all_reduce_ops
 from inductor.torch_inductor import order_after
 
@@ -106,6 +107,9 @@ class UpdateTemplate:
     """Keys of `optimizer.state[p]` passed as state tensors, in role order."""
     hyper_keys: tuple[str, ...]
     """Group hyperparameter tensors that follow ("lr", "beta1", "beta2")."""
+    kind: str | None = None
+    """The `bucket_update` kernel (ddp/in_graph/update_op.py) that applies this update per bucket; None:
+    `graph` is spliced per parameter instead."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,13 +259,20 @@ def _insert_updates(
         return max(readers, key=order.__getitem__, default=bucket.reduced)
 
     def finish(bucket: _Issued, views: list[tuple[int, fx.Node]], scale: fx.Node | None = None) -> None:
+        opaque: dict[str, list[tuple[int, fx.Node]]] = {}  # kind -> [(input index, grad)], one op each
         for (position, view), index in zip(views, bucket.input_indices):
             grad = view if scale is None else builder.call(_ops.mul.Tensor, [view, scale])
             if index not in updates.templates:
                 outputs[position] = grad  # no update here: the optimizer step after the backward uses it
                 continue
-            bucket.last_update = _apply_update(builder, updates, index, input_node, grad) or bucket.last_update
+            kind = updates.templates[index].kind
+            if kind is not None:
+                opaque.setdefault(kind, []).append((index, grad))
+            else:
+                bucket.last_update = _apply_update(builder, updates, index, input_node, grad) or bucket.last_update
             outputs[position] = None  # updated in place: no gradient is kept
+        for kind, members in opaque.items():
+            bucket.last_update = _bucket_update(builder, updates, kind, members, input_node)
 
     if updates.clip_max_norm is not None:
         # The global norm needs every reduced gradient: all buckets land first, as in
@@ -325,6 +336,25 @@ def _insert_updates(
         if bucket.wait is not None and after:
             deps[bucket.wait] = after
     order_after(graph, deps)
+
+
+def _bucket_update(
+    builder: _Builder,
+    updates: UpdateSpec,
+    kind: str,
+    members: list[tuple[int, fx.Node]],
+    input_node: Callable[[int], fx.Node],
+) -> fx.Node:
+    """One `bucket_update` node for `members` (input index, reduced gradient) of one kind of update."""
+    params, grads, states, rows = [], [], [], []
+    for index, grad in members:
+        template = updates.templates[index]
+        roles = [input_node(i) for i in updates.role_inputs[index]]
+        params.append(input_node(index))
+        grads.append(grad)
+        states.extend(roles[: len(template.state_keys)])
+        rows.extend(roles[len(template.state_keys) :])
+    return builder.call(BUCKET_UPDATE, [params, grads, states, rows, kind])
 
 
 def _apply_update(
