@@ -259,7 +259,7 @@ def _publish(cfg: BenchConfig, jobs: list[dict]) -> None:
 
 def _markdown_problem(markdown: Path | None) -> bool:
     """The report's generated:begin/end markers are broken (checked before any job: it is written last)."""
-    from benchmarks.report import check_markdown
+    from benchmarks.markers import check_markdown
 
     try:
         if markdown is not None:
