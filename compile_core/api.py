@@ -10,9 +10,10 @@ module" slot is cleared: otherwise Dynamo would wrap our backend in PyTorch's DD
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -91,6 +92,7 @@ class CompiledModel:
         self._log = CompileLog()
         self._events = CompileEvents()
         self._calls = 0
+        self._eager = False
         self._agreement = (
             RankAgreement(self._ddp.process_group, prefix=f"ddp_compile/model{next(_models)}")
             if self._ddp is not None
@@ -114,6 +116,7 @@ class CompiledModel:
                 cap_bytes=cap,
                 first_cap_bytes=first,
                 calls=lambda: self._calls,
+                eager=lambda: self._eager,
             )
         )
         self._compiled = self._events.compile(
@@ -160,13 +163,27 @@ class CompiledModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._model(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Forwards inside run as the user's eager model would: no compiled graph, no hook of the mode
+        (DDP's own reducer reduces). For a first step whose only job is what eager code does best
+        (`train_step` with the optimizer in the backward: create the optimizer state)."""
+        self._eager = True
+        try:
+            yield
+        finally:
+            self._eager = False
+
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         # Between iterations, before DDP's pre-forward: the only safe moment to swap DDP's reducer.
         beat()  # progress, for a launcher watching for hangs (launch/heartbeat.py)
-        self._mode.before_forward()
+        if not self._eager:
+            self._mode.before_forward()
         self._calls += 1
 
     def _run_inner(self, *args: Any, **kwargs: Any) -> Any:
+        if self._eager:
+            return call_uncompiled(self._inner, *args, **kwargs)
         graphs = self._events.graphs
         try:
             with self._mode.around_call(), self._events.call(), self._events.count_skipped_frames():

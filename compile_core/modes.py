@@ -65,6 +65,8 @@ class ModeContext:
     """First bucket's cap in bytes."""
     calls: Callable[[], int]
     """The number of forward calls so far (graphs are recorded with it)."""
+    eager: Callable[[], bool] = lambda: False
+    """True during a forward the caller runs uncompiled (`CompiledModel.eager()`): modes keep out of it."""
 
 
 class CompileMode:
@@ -250,7 +252,8 @@ class InGraphMode(CompileMode):
         model.register_forward_hook(self._after_forward, always_call=True)
 
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._reducer.after_forward(output)
+        if not self.ctx.eager():
+            self._reducer.after_forward(output)
 
     def before_forward(self) -> None:
         if torch.is_grad_enabled() and torch_ddp.join_enabled(self.ctx.ddp):

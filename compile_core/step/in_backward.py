@@ -7,8 +7,13 @@ backward. The update of a bucket's parameters needs nothing else, so it can run 
 while the rest of the backward still computes, and the bucket's gradients need never be stored.
 
 Algorithm:
-  * Update 1 runs the normal path (an eager `optimizer.step()`), which creates the optimizer's state
-    exactly as torch does, and shows how the model compiles.
+  * Update 1 runs as eager DDP (forward, backward with DDP's reducer, `optimizer.step()`; without
+    clipping or static_graph), which creates the optimizer's state exactly as torch does and compiles
+    nothing: a compiled update 1 needed a backward variant of its own (reduce without update) for that
+    single step. Before its backward the autograd graph is read for parameters that get gradients from
+    outside the model's outputs (`ddp/in_graph/probe.py: eager_outside_producers`); the compiled
+    backward leaves those to the normal step. With clipping or static_graph, update 1 is compiled
+    (reduce only) and shows how the model compiles.
   * Then, per param group and parameter dtype/device, the update math of compile_core/step/optim_math.py
     (torch's single-tensor SGD/Adam/AdamW step, with its step-dependent scalars computed on the host
     per parameter and passed in as one small vector) is captured once, on one small throwaway
@@ -309,11 +314,28 @@ class InBackwardController:
             else:
                 self.updates.refresh()
 
-    def after_update(self, index: int, *, before_prepare: Callable[[], None] = lambda: None) -> None:
-        """After update `index` ran the normal path: switch to in-backward updates when it can."""
+    def eager_first_update(self, ddp: Any) -> bool:
+        """Whether update 1 (forward, backward, step) can run as eager DDP: it only creates the optimizer
+        state and shows what reaches the gradients, and compiling its variant of the graph (the backward
+        that reduces without updating) would serve that one step. Not with clipping (the update needs to
+        know every parameter reduced after the backward, learnt from a compiled step) nor static_graph
+        (DDP's reducer would see one active step, then idle ones)."""
+        return (
+            self.reason is None
+            and not self.active
+            and self.updates.clip_max_norm is None
+            and not getattr(ddp, "static_graph", False)
+        )
+
+    def after_update(
+        self, index: int, *, before_prepare: Callable[[], None] = lambda: None, ran_eagerly: bool = False
+    ) -> None:
+        """After update `index` ran the normal path: switch to in-backward updates when it can. After an
+        eager step the compiled graphs are not known yet: each graph's compile decides (a graph break,
+        no state: no update in that graph) and `applied()` switches off if none updated."""
         if self.reason is not None or self.active:
             return
-        self.reason = self._blocker()
+        self.reason = self._blocker(compiled=not ran_eagerly)
         if self.reason is not None:
             return
         before_prepare()
@@ -321,11 +343,13 @@ class InBackwardController:
         self.reducer.updates = self.updates
         self.from_update = index + 1
 
-    def _blocker(self) -> str | None:
+    def _blocker(self, *, compiled: bool = True) -> str | None:
         """Why the model, as the first update showed it, cannot update inside its backward."""
         reducer = self.reducer
         if not reducer.reduction.in_graph:
             return f"the compiled backward does not reduce: {reducer.reduction.reason}"
+        if not compiled:
+            return None
         if reducer.graphs_last_step != 1:
             return (
                 f"the model ran as {reducer.graphs_last_step} compiled graph(s); updates inside the backward "

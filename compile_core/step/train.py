@@ -65,6 +65,7 @@ from compile_core.step.hyperparams import HyperparamPins
 from compile_core.step.in_backward import InBackwardController
 from compile_core.step.report import OptimizerReport, TrainStepReport
 from compile_core.step.update import CompiledUpdate, chunking_blocker, clip_and_step
+from ddp.in_graph.probe import eager_outside_producers
 from inductor.torch_inductor import disk_caches_enabled
 from launch.heartbeat import beat
 
@@ -116,6 +117,8 @@ class TrainStep:
         self.last_grad_norm: torch.Tensor | None = None
         """Total gradient norm before clipping at the last update (a tensor; None without clipping)."""
         self._in_backward: InBackwardController | None = None
+        self._outside: set[int] = set()
+        """Parameters update 1's eager micro-batches found with gradients from outside the model's outputs."""
         if config.optimizer_in_backward:
             self._in_backward = InBackwardController(
                 optimizer,
@@ -145,15 +148,32 @@ class TrainStep:
     def _forward_backward(self, inputs: tuple[Any, ...], target: Any, *, sync: bool) -> torch.Tensor:
         # no_sync must cover the forward too: DDP arms the reducer for the next backward there.
         skip_sync = self._ddp.no_sync() if (self._ddp is not None and not sync) else contextlib.nullcontext()
-        with skip_sync:
+        # Update 1 with the optimizer in the backward: eager DDP (see `_eager_first_update`).
+        eager = self._eager_first_update()
+        with skip_sync, self.compiled_model.eager() if eager else contextlib.nullcontext():
             with self._autocast():
-                loss = self.loss_fn(self.compiled_model(*inputs), target)
+                output = self.compiled_model(*inputs)
+                loss = self.loss_fn(output, target)
             check_loss(loss)
             scaled = loss / self.config.accum_steps if self.config.accum_steps > 1 else loss
             if self.grad_scaler is not None:
                 scaled = self.grad_scaler.scale(scaled)
+            if eager:
+                self._outside |= eager_outside_producers(output, scaled)
             scaled.backward()
+        if eager and sync:
+            self.compiled_model.in_graph.after_eager_step(self._outside)
         return loss.detach()
+
+    def _eager_first_update(self) -> bool:
+        """Whether this micro-batch belongs to update 1 of an optimizer-in-backward step that runs it eagerly.
+
+        Update 1 creates the optimizer state the backward updates from update 2 on; compiled, it needs a
+        variant of its own (a backward that reduces without updating) compiled for that one update. As
+        eager DDP it costs one eager step, and the autograd graph, read before its backward, shows the
+        parameters that get gradients from outside the model's outputs, which the compiled backward must
+        leave to the step after it."""
+        return self._updates == 0 and self._in_backward is not None and self._in_backward.eager_first_update(self._ddp)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.config.autocast is None:
@@ -173,8 +193,9 @@ class TrainStep:
         elif controller is not None and controller.reason is None:
             # Update 1 runs eagerly with the user's own hyperparameters: it creates the optimizer
             # state the backward will update. The pinned tensors come before the update graphs.
+            ran_eagerly = self._eager_first_update()
             norm = self._eager_update()
-            controller.after_update(index)
+            controller.after_update(index, ran_eagerly=ran_eagerly)
         else:
             norm = self._normal_update(index)
         self.last_grad_norm = None if norm is None else norm.detach().clone()

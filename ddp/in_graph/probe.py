@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 import torch
 
-from aot.torch_dynamo import compiled_backward_node, param_edges
+from aot.torch_dynamo import compiled_backward_node, param_edges, tree_leaves
 
 
 class OutsideGradientProbe:
@@ -73,3 +73,27 @@ class OutsideGradientProbe:
         self._handles = []
         self._given.clear()
         return self.found
+
+
+def eager_outside_producers(outputs: Any, loss: torch.Tensor) -> set[int]:
+    """Ids of the parameters whose gradient `loss.backward()` would reach other than through `outputs` (a
+    forward's results, run eagerly): an auxiliary loss on a parameter, a tensor the forward stashed on the
+    model, anything the loss builds beside the outputs. Read from the autograd graph before the backward
+    (`Node.next_functions`; an AccumulateGrad node's `variable` is its parameter), so a step that updates
+    inside the backward can leave those parameters out before any update runs. Conservative: a stashed
+    activation's parameters count as outside even where a compiled graph would return it."""
+    boundary = {t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    found: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node in boundary:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.add(id(variable))
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found

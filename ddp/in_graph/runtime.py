@@ -239,6 +239,14 @@ class InGraphReducer:
         """Whether this forward is the first in its variant (its compiles are expected, not recompiles)."""
         return self._new_variant
 
+    def after_eager_step(self, outside: set[int]) -> None:
+        """After a synchronising step the caller ran eagerly (DDP's reducer reduced it): take up the comm
+        hooks registered so far, and the parameters that step found with gradients from outside the
+        model's outputs (`probe.eager_outside_producers`); every rank calls this at the same step."""
+        self._check_hooks()
+        self.after.learn_outside(outside, self.agreement, self.params)
+        self.grads_kept = sum(p.grad is not None for p in self.params)  # DDP's backward keeps them all
+
     def _check_hooks(self) -> None:
         hooks = list(torch_ddp.comm_hooks(self.ddp))
         if hooks == self._hooks_seen and self.sync_steps:

@@ -124,3 +124,32 @@ def test_on_the_cpu_each_bucket_is_updated_by_one_opaque_op_not_by_spliced_nodes
     updated = [p for u in updates for p in u.args[0]]
     assert len(updated) == sum(1 for _ in _mlp().parameters())
     assert not [n for n in nodes if n.target is torch.ops.aten.copy_.default], "an update was spliced"
+
+
+def test_with_the_optimizer_in_the_backward_update_1_is_eager_ddp_and_only_the_update_variant_is_compiled():
+    """Update 1 only creates the optimizer state: run as eager DDP it compiles nothing, where a compiled
+    update 1 needed a backward variant of its own (reduce, no update) for that single step."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = compile_core.train_step(
+        DDP(model), opt, F.mse_loss, backend="aot_eager", ddp="in_graph", optimizer_in_backward=True
+    )
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(3):
+        step(torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g))
+        report = step.report().to_dict()
+        seen.append([(entry["variant"], entry["step"]) for entry in report["graphs"]])
+    assert seen == [[], [("reduce_update", 2)], [("reduce_update", 2)]], seen
+    assert report["optimizer_in_backward"]["from_update"] == 2
+
+
+def test_the_eager_first_step_finds_the_parameters_a_loss_reaches_beside_the_model_outputs():
+    from ddp.in_graph.probe import eager_outside_producers
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    out = model(torch.randn(3, 4))
+    plain = F.mse_loss(out, torch.zeros(3, 2))
+    assert eager_outside_producers(out, plain) == set()  # every gradient flows through the output
+    aux = plain + 0.1 * model[2].bias.square().sum() + model[0].weight.abs().mean()
+    assert eager_outside_producers({"logits": out}, aux) == {id(model[2].bias), id(model[0].weight)}
