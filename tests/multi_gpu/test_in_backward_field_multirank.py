@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from tests.multi_gpu.ddp_compare import ok, run_scenarios
@@ -81,6 +82,15 @@ def adamw_no_decay(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
 
 
+def frozen_body_start() -> Headed:
+    """A model whose first body layer is frozen (fine-tuning): its parameters stay in the optimizer, never get
+    a gradient, and neither torch nor the backward may update them."""
+    model = Headed()
+    for p in list(model.body.parameters())[:2]:
+        p.requires_grad_(False)
+    return model
+
+
 def _script(**kwargs) -> Script:
     kwargs.setdefault("make_model", Headed)
     kwargs.setdefault("data", regression_data)
@@ -118,6 +128,8 @@ SCENARIOS = {
         r, _script(make_model=Branchy, before_step=_branch_from(2), ddp_kwargs={"find_unused_parameters": True})
     ),
     "static_graph": lambda r: _step(r, _script(make_opt=adamw, ddp_kwargs={"static_graph": True})),
+    "process_subgroup": lambda r: _step(r, _script(make_opt=adamw, group=lambda: dist.new_group([0, 1]))),
+    "frozen_parameters": lambda r: _step(r, _script(make_model=frozen_body_start, make_opt=adamw)),
     "ignored_parameters": lambda r: _step(r, _script(make_opt=adamw, ignore=("body.2.weight", "body.2.bias"))),
     "custom_comm_hook": lambda r: _step(r, _script(setup=lambda d: d.register_comm_hook(Halve(), halve_hook))),
     "fp16_compress_hook": lambda r: _step(
@@ -168,6 +180,8 @@ def _assert_in_backward(per_rank: list[dict], *, kept: int = 0) -> None:
         "adam_fused",
         "adamw_param_groups",
         "static_graph",
+        "process_subgroup",
+        "frozen_parameters",
         "accumulation",
         "weight_decay_schedule_from_zero",
     ],
