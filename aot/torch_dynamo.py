@@ -87,9 +87,9 @@ def compile_with_guard_hook(
 _TAKES_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
 
 
-def lookup_backend(name: str) -> Callable[..., Any]:
-    """The Dynamo backend registered as `name` (`_dynamo/backends/registry.py`)."""
-    return torch._dynamo.lookup_backend(name)
+def lookup_backend(backend: str | Callable[..., Any]) -> Callable[..., Any]:
+    """The Dynamo backend registered as `backend` (`_dynamo/backends/registry.py`); a callable as it is."""
+    return torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
 
 
 def graph_break_of(gm: fx.GraphModule) -> dict[str, str] | None:

@@ -55,7 +55,7 @@ def _forced_device() -> str | None:
 def rank_device(rank: int) -> torch.device:
     """The device a rank's model and data live on: its own GPU under nccl; under gloo the CPU, or a GPU
     shared round-robin when `DDP_COMPILE_TEST_DEVICE=cuda` (see `RANK_DEVICE_ENV`)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl" or _forced_device():
+    if (dist.is_initialized() and dist.get_backend() == "nccl") or _forced_device():
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
 

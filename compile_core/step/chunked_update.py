@@ -86,7 +86,7 @@ class ChunkedUpdate:
         self.clip_max_norm = clip_max_norm
         self.records: list[dict[str, Any]] = []
         """One per chunk: `name`, `cache` (reused, or the cache outcome), `seconds`, `reused_from`."""
-        self._backend = lookup_backend(backend) if isinstance(backend, str) else backend
+        self._backend = lookup_backend(backend)
         self._backend_name = backend if isinstance(backend, str) else "custom"
         self._chunks = _plan_chunks(optimizer, names)
         self._params = [p for c in self._chunks for p in c.params]

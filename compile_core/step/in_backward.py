@@ -90,9 +90,9 @@ class OptimizerInBackward:
     ) -> None:
         self.optimizer = optimizer
         self.clip_max_norm = clip_max_norm
-        self.compile_kernel = compile_kernel
-        """Compiles one parameter's update (dynamic shapes) for the per-bucket op; None: spliced graphs."""
         """With clipping, every bucket is updated after the last all-reduce (global norm first)."""
+        self.compile_kernel = compile_kernel
+        """Compiles one parameter's update (static shapes) for the CPU's per-bucket op; None: spliced graphs."""
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
         self.norm = torch.zeros((), dtype=torch.float32, device=device) if clip_max_norm is not None else None
         """Receives the total gradient norm (before clipping) from the backward."""

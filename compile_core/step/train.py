@@ -242,10 +242,7 @@ class TrainStep:
     def _compile_update_kernel(self, fn: Callable[..., None]) -> Callable[..., None]:
         """One parameter's update for the backward's per-bucket op, compiled like the update (static shapes,
         a cache of its own; its compiles are the optimizer's, in the report)."""
-        backend = self.config.backend
-        return self._opt_events.compile(
-            fn, lookup_backend(backend) if isinstance(backend, str) else backend, dynamic=False, isolate_recompiles=True
-        )
+        return self._opt_events.compile(fn, lookup_backend(self.config.backend), dynamic=False, isolate_recompiles=True)
 
     def _update_fn(self) -> Callable[[], torch.Tensor | None]:
         return clip_and_step(self._params, self.config.clip_grad_norm, self.optimizer)

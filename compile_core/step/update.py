@@ -33,7 +33,7 @@ class CompiledUpdate:
         self._touched: set[int] = set()  # data_ptr of every tensor a graph of the first update reads
         self.records: list[dict[str, Any]] = []
         """One per graph compiled: `name`, `cache` (the cache outcome), `seconds`, `reused_from` (None)."""
-        inner = lookup_backend(backend) if isinstance(backend, str) else backend
+        inner = lookup_backend(backend)
 
         def touch_recording(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             start = time.perf_counter()
