@@ -200,23 +200,30 @@ def test_steady_peak_resets_below_an_earlier_high_water_mark_and_the_process_pea
 
     if not memory.reset_peak() or memory.read_peak_mb() is None:
         pytest.skip("this kernel does not let a process reset VmHWM")
-    big = bytearray(64 * 2**20)
-    for i in range(0, len(big), 4096):  # touch every page: RSS really grows
-        big[i] = 1
+    # Anonymous mappings, not bytearrays: malloc may serve a bytearray from heap pages an earlier test in
+    # this worker already made resident (then RSS does not grow); a fresh mapping always faults new pages.
+    big = _touched_mapping(64)
     before = memory.read_peak_mb()
-    del big
+    big.close()
     tracker = memory.PeakTracker()
     tracker.start_steady()
-    small = bytearray(8 * 2**20)
-    for i in range(0, len(small), 4096):
-        small[i] = 1
+    small = _touched_mapping(8)
     tracker.stop_steady()
     assert tracker.steady_mb < before - 32, (before, tracker.steady_mb)
     assert 6 < tracker.growth_mb < 32, tracker.growth_mb  # the 8 MiB the "steps" touched, not the baseline
     # the reset also reset ru_maxrss: the tracker remembers the peak from before it
     assert memory.process_peak_rss_mb() < before - 32
     assert tracker.process_peak_mb() >= before - 1
-    del small
+    small.close()
+
+
+def _touched_mapping(mib: int):
+    import mmap
+
+    region = mmap.mmap(-1, mib * 2**20)
+    for i in range(0, len(region), mmap.PAGESIZE):  # touch every page: RSS really grows
+        region[i] = 1
+    return region
 
 
 # -- configuration, CLI, dependency check -------------------------------------------------------------------
