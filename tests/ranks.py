@@ -26,8 +26,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch.net import free_port
-
 
 def backend_for(world_size: int) -> str:
     """nccl when every rank can have its own GPU, gloo otherwise."""
@@ -101,13 +99,10 @@ def _worker(
     try:
         if backend == "nccl" or _forced_device():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout)
+        # The parent holds the store's server (listening before any rank starts): a client only connects.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         result = fn(rank, world_size, *args)
         # Serialized by value: tensors sent through the queue would live in this process's shared
         # memory, which is gone once the rank exits.
@@ -155,7 +150,10 @@ def run_ranks(
     backend = backend_for(world_size) if backend is None else backend
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # The rendezvous store is served from here, bound to a port the OS picks: no window in which another
+    # process could take the port between choosing it and listening on it (EADDRINUSE seen in CI).
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, backend, port, pg_timeout, fn, args, queue), daemon=True)
         for r in range(world_size)

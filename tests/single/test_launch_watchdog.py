@@ -414,10 +414,15 @@ def test_watchdog_passes_the_exit_code_and_forwards_sigterm(tmp_path):
             proc.kill()
 
 
-def test_free_port_is_bindable():
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
+    # An ephemeral port can be handed to any outgoing connection (gloo's) before the rendezvous binds it.
     import socket
 
-    port = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
-    assert 0 < port < 65536
+    from launch.net import ephemeral_range
+
+    low, high = ephemeral_range()
+    for _ in range(20):
+        port = free_port()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        assert 0 < port < 65536 and not low <= port <= high, (port, low, high)
