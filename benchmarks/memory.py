@@ -10,6 +10,12 @@ gradients; this one is what the machine really has to provide.
 
 The reset also resets `ru_maxrss` (both read the kernel's one high-water mark), so `PeakTracker` keeps
 the process peak from before the reset itself.
+
+The profiler's tensor peak is relative: the most a step held *above* what was alive when it began. What was
+alive then differs between modes (DDP's reducer keeps a flat bucket copy of every gradient across steps;
+the in-graph modes release it, and `optimizer_in_backward` leaves no gradient alive after the step), so
+`training_state_mb` counts the tensors a job holds between steps, by kind, and the step's absolute tensor
+peak is that plus the relative one.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import re
 import resource
 from pathlib import Path
+from typing import Any
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -77,3 +84,82 @@ class PeakTracker:
     def process_peak_mb(self) -> float:
         """Peak RSS of the whole process, compilation included (across the reset)."""
         return max(self._before_reset, process_peak_rss_mb())
+
+
+def training_state_mb(model: Any, optimizer: Any, ddp: Any | None) -> dict[str, float]:
+    """Tensor memory the training state holds between two steps, by kind, MiB (each storage counted once,
+    in the first kind that holds it): `parameters`, `buffers`, `gradients` (the `.grad` tensors alive now),
+    `optimizer_state`, `ddp_buckets` (DDP's reducer; allocates a zero copy of them for a moment, so call it
+    outside anything measured), and `gradient_bytes` (what one gradient per trainable parameter takes: the
+    yardstick of the issue's memory target, not a holding)."""
+    import torch
+
+    seen: set[tuple[str, int]] = set()
+
+    def held(tensors) -> float:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if storage.nbytes() and key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        return total / 2**20
+
+    params = list(model.parameters())
+    out = {
+        "parameters": held(params),
+        "buffers": held(model.buffers()),
+        "optimizer_state": held(v for state in optimizer.state.values() for v in state.values()),
+    }
+    buckets = 0.0
+    if ddp is not None:
+        from ddp.torch_ddp import reducer_bucket_bytes
+
+        buckets = reducer_bucket_bytes(ddp) / 2**20
+    grads = held(p.grad for p in params if p.grad is not None)
+    # With gradient_as_bucket_view the .grad tensors are views into those buckets (already counted), unless
+    # the buckets were released (the in-graph modes: then the reducer holds a 1-element placeholder).
+    as_views = ddp is not None and getattr(ddp, "gradient_as_bucket_view", False) and buckets >= grads > 0
+    out["gradients"] = 0.0 if as_views else grads
+    out["ddp_buckets"] = buckets
+    out["gradient_bytes"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad) / 2**20
+    return out
+
+
+def held_mb(state: dict[str, float] | None) -> float | None:
+    """The tensor memory a `training_state_mb` result holds (its yardstick left out)."""
+    if state is None:
+        return None
+    return sum(v for k, v in state.items() if k != "gradient_bytes")
+
+
+MEMORY_REFERENCE = "ours_step"
+"""The mode the memory savings are read against: the same compiled step with DDP's reducer (the issue's
+yardstick: `optimizer_in_backward` must hold at least 75% of the gradient bytes less at its peak)."""
+
+
+def gradient_savings(modes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each finished mode with an absolute step tensor peak: how much lower that peak is than
+    `MEMORY_REFERENCE`'s (worst rank of each), in MiB and as a share of the model's gradient bytes."""
+    ref = (modes.get(MEMORY_REFERENCE) or {}).get("profile") or {}
+    ref_peak = _worst(ref.get("absolute_peak_mb_per_rank"))
+    grads = _worst([(s or {}).get("gradient_bytes") for s in ref.get("state_mb_per_rank") or []])
+    if ref_peak is None or not grads:
+        return []
+    out = []
+    for mode, agg in modes.items():
+        prof = (agg.get("profile") or {}) if agg.get("status") == "ok" else {}
+        peak = _worst(prof.get("absolute_peak_mb_per_rank"))
+        if mode == MEMORY_REFERENCE or peak is None:
+            continue
+        saved = ref_peak - peak
+        out.append({"mode": mode, "peak_mb": peak, "saved_mb": saved, "gradient_mb": grads, "share": saved / grads})
+    return out
+
+
+def _worst(values: list[float | None] | None) -> float | None:
+    present = [v for v in values or [] if v is not None]
+    return max(present) if present else None

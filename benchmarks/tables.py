@@ -6,6 +6,7 @@ from typing import Any
 
 from benchmarks.bracket import bracket_line, comm_hidden_cell, over_floor_cell
 from benchmarks.config import BRACKET_MODES, NO_COMPILE_MODES
+from benchmarks.memory import MEMORY_REFERENCE
 
 
 def _fmt(value: Any, spec: str = ".1f", none: str = "-") -> str:
@@ -41,7 +42,7 @@ MAIN_COLUMNS = [
     "over floor ms (%)",
     "comm hidden %",
     "steady peak RSS MB/rank (+ steps' growth)",
-    "step tensor peak MB/rank",
+    "step tensor peak MB/rank: held at start + step's own = absolute",
     "process peak RSS MB/rank",
     "cold 1st step s",
     "warm 1st step s",
@@ -76,7 +77,7 @@ def main_table(data: dict[str, Any]) -> list[str]:
                     over_floor_cell(data.get("bracket"), mode),
                     comm_hidden_cell(data.get("bracket"), mode),
                     _steady_cell(a),
-                    _per_rank(prof.get("tensor_peak_mb_per_rank"), ".1f"),
+                    _tensor_peak_cell(prof),
                     _per_rank(a.get("peak_rss_mb_per_rank")),
                     _fmt(cold, ".1f", "no compile" if mode in NO_COMPILE_MODES else "-"),
                     _fmt(warm, ".1f"),
@@ -98,6 +99,28 @@ def _steady_cell(a: dict[str, Any]) -> str:
     if not growth or all(v is None for v in growth):
         return peak
     return f"{peak} (+{_per_rank(growth)})"
+
+
+def _tensor_peak_cell(prof: dict[str, Any]) -> str:
+    """`held + step = absolute` per rank where the job counted what it held (benchmarks/memory.py), else the
+    step's own peak (results.json of earlier runs)."""
+    step = _per_rank(prof.get("tensor_peak_mb_per_rank"), ".1f")
+    held = prof.get("held_mb_per_rank")
+    if not held or any(v is None for v in held):
+        return step
+    return f"{_per_rank(held, '.1f')} + {step} = {_per_rank(prof.get('absolute_peak_mb_per_rank'), '.1f')}"
+
+
+def gradient_savings_line(data: dict[str, Any]) -> str:
+    """How much lower each mode's absolute step tensor peak is than ours_step's, in gradient bytes."""
+    rows = data.get("gradient_savings") or []
+    if not rows:
+        return ""
+    parts = [f"{r['mode']} {r['saved_mb']:+.1f} MB ({100 * r['share']:+.0f}%)" for r in rows]
+    return (
+        f"Absolute step tensor peak below {MEMORY_REFERENCE}'s (worst rank; share of the "
+        f"{rows[0]['gradient_mb']:.1f} MB of gradients): " + ", ".join(parts) + "."
+    )
 
 
 def _status_cell(mode: str, labels: dict[str, str]) -> str:
@@ -283,6 +306,8 @@ def markdown_table(result: dict[str, Any], workload: str, *, timing_claims: bool
     lines += main_table(data) + ["", agreement_line(data["loss_agreement"])]
     if "param_agreement" in data:  # results.json of runs before the parameter fingerprint have none
         lines += ["", param_agreement_line(data["param_agreement"])]
+    if data.get("gradient_savings"):
+        lines += ["", gradient_savings_line(data)]
     breakdown = breakdown_table(data)
     if breakdown:
         lines += ["", f"First step of {workload}, where the time goes (slowest rank; seconds):", ""] + breakdown

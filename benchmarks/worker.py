@@ -102,6 +102,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     ]
     clock = StepClock()
     peaks = memory.PeakTracker()
+    state_mb = None
     cuda_peak = None
     profiler = None
     step_s: list[float] = []
@@ -115,6 +116,8 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
             if i == warmup + steps:
                 peaks.stop_steady()
                 cuda_peak = _cuda_peak_mb(device)
+                # what the job holds between steps, before the profiler starts (it allocates for a moment)
+                state_mb = memory.training_state_mb(model, optimizer, ddp)
                 profiler = stack.enter_context(_profiler())  # extra steps after the timed ones: never timed
             mark_step = profiler.mark_step() if profiler is not None else contextlib.nullcontext()
             clock.start()
@@ -159,7 +162,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "info": info,
     }
     if profiler is not None:
-        result["profile"] = _profile_result(profiler, spec, rank, pg_backend, result["info"])
+        result["profile"] = {**_profile_result(profiler, spec, rank, pg_backend, result["info"]), "state_mb": state_mb}
     if recorder is not None:
         result["overlap"] = _overlap_result(recorder, spec, rank, result["info"])
     elif spec["record_overlap"] and mode in IN_GRAPH_MODES:

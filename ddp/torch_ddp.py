@@ -232,6 +232,12 @@ def reducer_bucket_elements(ddp: DistributedDataParallel) -> int:
     return sum(bucket.buffer().numel() for bucket in ddp.reducer._get_zeros_like_grad_buckets())
 
 
+def reducer_bucket_bytes(ddp: DistributedDataParallel) -> int:
+    """Bytes of the gradient buckets DDP's reducer holds (same source as `reducer_bucket_elements`, so it
+    allocates a zero copy of every bucket for a moment: call it outside anything measured)."""
+    return sum(b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets())
+
+
 def _new_reducer(
     ddp: DistributedDataParallel,
     params: Sequence[torch.nn.Parameter],

@@ -212,6 +212,16 @@ def _check_metrics(modes: dict) -> None:
         prof = agg["profile"]
         assert prof["measured"] and prof["all_reduces"] >= 1 and prof["overlap_percent"] is not None, (mode, prof)
         assert all(p and p > 0 for p in prof["tensor_peak_mb_per_rank"]), (mode, prof)
+        # what the job held between steps: DDP's bucket copy of the gradients unless the compiled backward
+        # reduces (then released), and no gradient at all once each bucket is updated inside the backward
+        states = prof["state_mb_per_rank"]
+        assert all(s["parameters"] == pytest.approx(s["gradient_bytes"]) for s in states), (mode, states)
+        buckets = [s["ddp_buckets"] / s["gradient_bytes"] for s in states]
+        assert all(b < 0.01 if mode in IN_GRAPH_MODES else b == pytest.approx(1.0) for b in buckets), (mode, states)
+        if mode == "ours_step_in_backward":
+            assert all(s["gradients"] == 0.0 for s in states), states
+        absolute = [h + p for h, p in zip(prof["held_mb_per_rank"], prof["tensor_peak_mb_per_rank"])]
+        assert prof["absolute_peak_mb_per_rank"] == pytest.approx(absolute), (mode, prof)
         hook = agg["overlap"]
         if mode in IN_GRAPH_MODES:
             assert not hook["recorded"] and "in_graph" in hook["reason"], mode

@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+import torch
 
 # -- benchmarks/breakdown.py ---------------------------------------------------------------------------
 
@@ -215,6 +216,75 @@ def test_steady_peak_resets_below_an_earlier_high_water_mark_and_the_process_pea
     assert memory.process_peak_rss_mb() < before - 32
     assert tracker.process_peak_mb() >= before - 1
     small.close()
+
+
+def test_training_state_counts_ddp_buckets_gradients_and_optimizer_state_once_each(pg):
+    # What a job holds between steps; the step's absolute tensor peak is this plus the profiler's peak above it.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks.memory import held_mb, training_state_mb
+    from ddp.torch_ddp import release_reducer_buckets
+
+    def state_after_one_step(**ddp_kwargs):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8))
+        ddp = DDP(model, **ddp_kwargs)
+        opt = torch.optim.AdamW(model.parameters())
+        ddp(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        return model, opt, ddp
+
+    model, opt, ddp = state_after_one_step()
+    mib = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    got = training_state_mb(model, opt, ddp)
+    assert got["parameters"] == pytest.approx(mib) and got["gradient_bytes"] == pytest.approx(mib)
+    assert got["gradients"] == pytest.approx(mib)  # .grad alive (no zero_grad yet)
+    assert got["ddp_buckets"] == pytest.approx(mib)  # DDP's reducer: a second copy of every gradient
+    assert got["optimizer_state"] == pytest.approx(2 * mib, rel=0.01)  # exp_avg, exp_avg_sq (+ step scalars)
+    assert got["buffers"] == pytest.approx((2 * 256 * 4 + 8) / 2**20)  # running mean/var + num_batches_tracked
+    assert held_mb(got) == pytest.approx(sum(v for k, v in got.items() if k != "gradient_bytes"))
+    opt.zero_grad(set_to_none=True)
+    release_reducer_buckets(ddp)  # what the in-graph modes do: no bucket copy is held any more
+    after = training_state_mb(model, opt, ddp)
+    assert after["gradients"] == 0.0 and after["ddp_buckets"] < 0.001
+    # with gradient_as_bucket_view the .grad tensors are the buckets: counted once, as buckets
+    model, opt, ddp = state_after_one_step(gradient_as_bucket_view=True)
+    viewed = training_state_mb(model, opt, ddp)
+    assert viewed["gradients"] == 0.0 and viewed["ddp_buckets"] == pytest.approx(mib)
+
+
+def test_absolute_tensor_peak_adds_what_was_held_and_savings_are_read_in_gradient_bytes():
+    from benchmarks.aggregate import aggregate_mode
+    from benchmarks.memory import gradient_savings
+    from benchmarks.tables import _tensor_peak_cell, gradient_savings_line
+
+    def prof(step_peak, **state):
+        return {
+            "measured": False,
+            "reason": "r",
+            "tensor_peak_mb": step_peak,
+            "state_mb": {"gradient_bytes": 50.0, **state},
+        }
+
+    held_ref = {"parameters": 50.0, "optimizer_state": 100.0, "ddp_buckets": 50.0}
+    jobs = [
+        _job("r", "cold", "ours_step", [_rank(8.0, 7.0, profile=prof(50.0, **held_ref))] * 2),
+        _job(
+            "b",
+            "cold",
+            "ours_step_in_backward",
+            [_rank(8.0, 7.0, profile=prof(30.0, parameters=50.0, optimizer_state=100.0))] * 2,
+        ),
+    ]
+    modes = {m: aggregate_mode(jobs, m) for m in ("ours_step", "ours_step_in_backward")}
+    ref = modes["ours_step"]["profile"]
+    assert ref["held_mb_per_rank"] == [200.0, 200.0] and ref["absolute_peak_mb_per_rank"] == [250.0, 250.0]
+    [row] = gradient_savings(modes)
+    # 250 - 180 = 70 MB lower: 140% of the 50 MB of gradients (DDP's bucket copy and the gradients both gone)
+    assert row["mode"] == "ours_step_in_backward" and row["saved_mb"] == 70.0 and row["share"] == pytest.approx(1.4)
+    assert _tensor_peak_cell(ref) == "200.0/200.0 + 50.0/50.0 = 250.0/250.0"
+    assert _tensor_peak_cell({"tensor_peak_mb_per_rank": [12.5, 12.5]}) == "12.5/12.5"  # older results
+    assert "ours_step_in_backward +70.0 MB (+140%)" in gradient_savings_line({"gradient_savings": [row]})
 
 
 def _touched_mapping(mib: int):
