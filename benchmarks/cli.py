@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.compile mode of every compiled mode, ours and PyTorch's (reduce-overhead: CUDA graphs, "
         "GPU only); needs --backend inductor",
     )
+    p.add_argument(
+        "--nested-regions",
+        action="store_true",
+        help="mark each GPT block's forward as a torch.compiler.nested_compile_region, as a user would (every "
+        "mode gets the same model): Dynamo traces one block and calls it per layer",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--out-dir",
@@ -223,6 +229,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         comm_hook=None if args.comm_hook == "none" else args.comm_hook,
         reduce_dtype=args.reduce_dtype,
         compile_mode=None if args.compile_mode == "default" else args.compile_mode,
+        nested_regions=args.nested_regions,
     )
 
 

@@ -226,6 +226,8 @@ class BenchConfig:
     """reduce_dtype= of our ddp='in_graph' modes: None, 'bf16' or 'fp16' (`REDUCE_DTYPES`); other modes unchanged."""
     compile_mode: str | None = None
     """torch.compile mode of every compiled mode, ours and PyTorch's ('reduce-overhead': CUDA graphs); None: default."""
+    nested_regions: bool = False
+    """Mark each GPT block's forward `torch.compiler.nested_compile_region` (every mode): a block traced once."""
 
     def __post_init__(self) -> None:
         if not self.workloads:

@@ -322,6 +322,12 @@ def run_condition_lines(cfg: dict[str, Any]) -> list[str]:
             else "none"
         ),
         f"- torch.compile mode: {cfg.get('compile_mode') or 'default'} (every compiled mode)",
+        "- blocks: "
+        + (
+            "each block's forward is a torch.compiler.nested_compile_region (every mode)"
+            if cfg.get("nested_regions")
+            else "plain modules"
+        ),
     ]
 
 

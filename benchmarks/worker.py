@@ -65,7 +65,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
 
     cfg = GPTConfig(**spec["gpt"])
     torch.manual_seed(spec["seed"])
-    model = GPT(cfg).to(device)
+    model = GPT(cfg, regions=bool(spec.get("nested_regions"))).to(device)
     ddp = None if mode == "floor" else _make_ddp(model, device, spec)  # floor: no DDP, no reducer hooks at all
     optimizer = make_optimizer(spec["optimizer"], model.parameters(), spec["optimizer_kwargs"])
 

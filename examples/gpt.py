@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from examples.gpt_config import GPT_PRESETS, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "lm_loss", "synthetic_batch"]
+__all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "RegionBlock", "lm_loss", "synthetic_batch"]
 
 
 class Block(nn.Module):
@@ -37,15 +37,25 @@ class Block(nn.Module):
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
 
 
-class GPT(nn.Module):
-    """Token + position embeddings, `n_layers` blocks, a final norm and an untied LM head."""
+class RegionBlock(Block):
+    """`Block` whose forward is a `torch.compiler.nested_compile_region`: Dynamo traces it once and calls
+    the traced region per layer. Decorated on the class, as users do: under torch 2.13, the same region
+    bound to each instance with `types.MethodType` traced, and gave wrong outputs (every layer computed with
+    one layer's weights)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    forward = torch.compiler.nested_compile_region(Block.forward)
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, `n_layers` blocks, a final norm and an untied LM head; `regions=True`
+    builds `RegionBlock`s."""
+
+    def __init__(self, cfg: GPTConfig, *, regions: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList((RegionBlock if regions else Block)(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 

@@ -27,6 +27,33 @@ class Headed(nn.Module):
         return self.head(torch.tanh(self.body(x)))
 
 
+class RegionBlock(nn.Module):
+    """A residual block whose forward the user marked as a nested compile region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Regioned(nn.Module):
+    """Repeated blocks under `torch.compiler.nested_compile_region`: Dynamo traces one block and calls it
+    3 times (`invoke_subgraph`), so each block's parameter gradients come out of a subgraph call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(RegionBlock() for _ in range(3))
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class BrokenHeaded(Headed):
     """`Headed` with a graph break between the body and the head: two compiled graphs."""
 

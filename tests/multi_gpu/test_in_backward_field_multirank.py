@@ -20,6 +20,7 @@ from tests.multi_gpu.field_models import (
     Halve,
     Headed,
     Mixed,
+    Regioned,
     aux_on_head_bias,
     clamp_grad_hooks,
     halve_hook,
@@ -143,6 +144,7 @@ SCENARIOS = {
     "accumulation": lambda r: _step(r, _script(make_opt=adamw, accum=2)),
     "last_batch_smaller": lambda r: _step(r, _script(make_opt=adamw, data=last_batch_smaller)),
     "gradient_hooks_clamp": lambda r: _step(r, _script(make_opt=adamw, setup=clamp_grad_hooks)),
+    "nested_compile_region_blocks": lambda r: _step(r, _script(make_model=Regioned, make_opt=adamw)),
     "weight_decay_schedule_from_zero": lambda r: _step(
         r, _script(make_opt=adamw_no_decay, make_sched=DecayFromUpdate3)
     ),
@@ -184,6 +186,7 @@ def _assert_in_backward(per_rank: list[dict], *, kept: int = 0) -> None:
         "frozen_parameters",
         "accumulation",
         "weight_decay_schedule_from_zero",
+        "nested_compile_region_blocks",
     ],
 )
 def test_updates_inside_the_backward_like_the_eager_script(results, name):

@@ -21,6 +21,7 @@ from tests.multi_gpu.field_models import (
     Experts,
     Halve,
     Headed,
+    Regioned,
     aux_on_head_bias,
     bf16_by_hand,
     clamp_grad_hooks,
@@ -88,6 +89,7 @@ SCENARIOS = {
     "experts_switch_per_step": lambda r: _in_graph(
         r, _script(make_model=Experts, before_step=_alternate, steps=4, ddp_kwargs={"find_unused_parameters": True})
     ),
+    "nested_compile_region_blocks": lambda r: _in_graph(r, _script(make_model=Regioned)),
     "fallback_backend": lambda r: _in_graph(r, _script(), backend=lambda gm, inputs: gm.forward),
     "long_run": lambda r: _long_run(r),
     "zero_grad_after_forward": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, steps=4)),
@@ -211,6 +213,15 @@ def test_gradient_hooks_see_the_local_gradient_as_in_eager_ddp(results):
     assert report["in_graph"]["gradient_hooks"] == HOOKED
     assert not set(HOOKED) & _reduced_in_graph(report), "a hooked parameter was reduced before its hook ran"
     assert "body.2.weight" in _reduced_in_graph(report)
+
+
+def test_blocks_under_nested_compile_region_are_reduced_in_the_backward(results):
+    """The user's repeated blocks are one traced subgraph called 3 times: each call's parameter gradients
+    are still bucketed and all-reduced inside the compiled backward, as eager DDP averages them."""
+    per_rank = ok(results, "nested_compile_region_blocks")
+    assert_like_eager(per_rank)
+    reduced = _reduced_in_graph(per_rank[0]["report"])
+    assert {f"blocks.{i}.fc.{k}" for i in range(3) for k in ("weight", "bias")} <= reduced, reduced
 
 
 def test_a_branch_taken_on_one_rank_only(results):

@@ -839,6 +839,33 @@ def test_compile_mode_reaches_every_job_and_every_compile_call():
         BenchConfig(workloads=w, backend="aot_eager", compile_mode="reduce-overhead")
 
 
+def test_nested_regions_reach_every_job_and_region_blocks_compute_what_plain_blocks_compute():
+    from benchmarks.suite import CacheDirs, plan_round
+    from examples.gpt import GPT, GPTConfig, synthetic_batch
+
+    cfg = _cfg("--quick", "--nested-regions", "--modes", "torch_savvy,ours_step_in_graph")
+    assert cfg.nested_regions and not _cfg("--quick").nested_regions
+    caches = CacheDirs()
+    try:
+        assert {j.worker["nested_regions"] for j in plan_round(cfg, 1, caches)} == {True}
+    finally:
+        caches.cleanup()
+    gpt = GPTConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=3, max_seq_len=16)
+    torch.manual_seed(0)
+    regions = GPT(gpt, regions=True)
+    plain = GPT(gpt)
+    plain.load_state_dict(regions.state_dict())
+    traced: list[int] = []
+
+    def count_regions(gm, inputs):
+        traced.append(sum("invoke_subgraph" in str(n.target) for n in gm.graph.nodes))
+        return gm.forward
+
+    x, _ = synthetic_batch(gpt, 2, 8, step=0)
+    torch.testing.assert_close(torch.compile(regions, backend=count_regions)(x), plain(x), rtol=0, atol=0)
+    assert traced == [3], traced  # one region call per layer: what makes the blocks traced once
+
+
 def test_bracket_modes_get_one_kind_of_job_each_and_no_scaling_or_overlap_jobs(tmp_path):
     from benchmarks.suite import CacheDirs, plan_overlap, plan_round
 
