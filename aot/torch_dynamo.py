@@ -92,6 +92,14 @@ def lookup_backend(backend: str | Callable[..., Any]) -> Callable[..., Any]:
     return torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
 
 
+def nested_region_calls(gm: fx.GraphModule) -> int:
+    """How many `invoke_subgraph` calls (a `torch.compiler.nested_compile_region` traced once and called
+    again) Dynamo's graph holds (`torch/_higher_order_ops/invoke_subgraph.py`)."""
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is invoke_subgraph)
+
+
 def graph_break_of(gm: fx.GraphModule) -> dict[str, str] | None:
     """`{"reason", "where"}` when Dynamo compiled `gm` because of a graph break, else None.
 

@@ -673,3 +673,43 @@ def test_kernel_libraries_are_found_where_inductor_builds_them(tmp_path, monkeyp
         assert found, f"no kernel library under {tmp_path}: {sorted(p.name for p in tmp_path.rglob('*.so'))}"
         every_so = {str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*.so")}
         assert found == every_so
+
+
+def _region_graph() -> tuple[torch.fx.GraphModule, list]:
+    """Dynamo's graph of 3 blocks under one nested_compile_region (the field tests' model)."""
+    from tests.multi_gpu.field_models import Regioned
+
+    torch._dynamo.reset()
+    captured: list = []
+
+    def capture(gm, inputs):
+        captured.append((gm, inputs))
+        return gm.forward
+
+    torch.compile(Regioned(), backend=capture)(torch.randn(4, 64))
+    return captured[0]
+
+
+def test_nested_region_calls_counts_the_invoke_subgraph_calls_of_a_dynamo_graph():
+    gm, _ = _region_graph()
+    assert torch_dynamo.nested_region_calls(gm) >= 2
+    plain = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    assert torch_dynamo.nested_region_calls(plain) == 0
+
+
+def test_repeated_region_calls_sent_to_inductor_are_warned_about_and_still_compiled(caplog):
+    from compile_core.api import _warning_on_nested_regions
+
+    gm, inputs = _region_graph()
+    seen: list = []
+
+    def ours() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name.startswith("compile_core")]
+
+    with caplog.at_level("WARNING", logger="compile_core"):
+        _warning_on_nested_regions(lambda g, i: seen.append(g), "aot_eager")(gm, inputs)
+        assert ours() == []
+        _warning_on_nested_regions(lambda g, i: seen.append(g), "inductor")(gm, inputs)
+    assert seen == [gm, gm]
+    [message] = ours()
+    assert "wrong gradients" in message and "backend='aot_eager'" in message
