@@ -23,7 +23,6 @@ from aot.torch_dynamo import (
     call_uncompiled,
     install_compiled_call,
     installed_compiled_call,
-    nested_region_calls,
     root_cause,
 )
 from compile_core.config import CompileConfig
@@ -39,25 +38,6 @@ from ddp.link_probe import auto_bucket_cap
 from launch.heartbeat import beat
 
 log = logging.getLogger(__name__)
-
-_NESTED_REGIONS_WARNING = (
-    "compile_core: a graph calls nested_compile_region subgraphs %d times with backend=inductor: under torch "
-    "2.13 Inductor computed wrong gradients for a transformer block marked nested_compile_region and called "
-    "twice or more (plain torch.compile, no DDP; README, 'Limits we know of'); compare one step with eager or "
-    "use backend='aot_eager' until a torch release fixes it"
-)
-
-
-def _warning_on_nested_regions(backend: Callable[..., Any], backend_name: str) -> Callable[..., Any]:
-    """`backend`, logging a warning first when Inductor gets a graph with repeated region calls."""
-
-    def checked(gm: Any, example_inputs: list) -> Any:
-        calls = nested_region_calls(gm)
-        if backend_name == "inductor" and calls > 1:
-            log.warning(_NESTED_REGIONS_WARNING, calls)
-        return backend(gm, example_inputs)
-
-    return checked
 
 
 _models = itertools.count()
@@ -148,7 +128,7 @@ class CompiledModel:
         )
         self._compiled = self._events.compile(
             _entry_for(inner),
-            _warning_on_nested_regions(self._mode.backend, config.backend_name),
+            self._mode.backend,
             fullgraph=config.fullgraph,
             dynamic=config.dynamic,
             on_compiled=self._graph_compiled,

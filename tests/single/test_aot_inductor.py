@@ -118,3 +118,46 @@ def test_the_in_graph_update_variant_asks_inductor_not_to_park_dead_buffers():
     )
     assert reduce_only.inductor_defaults() == {}
     assert updating.inductor_defaults() == {"allow_buffer_reuse": False}
+
+
+def _region_gpt(layers: int):
+    from examples.gpt import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=256, d_model=64, n_heads=2, n_layers=layers, max_seq_len=32)
+    torch.manual_seed(0)
+    regions = GPT(cfg, regions=True)
+    plain = GPT(cfg)
+    plain.load_state_dict(regions.state_dict())
+    return regions, plain, synthetic_batch(cfg, 2, 16, step=0)
+
+
+def test_repeated_nested_regions_get_eagers_gradients_from_inductor():
+    """torch 2.13's Inductor gets these gradients wrong with its buffer reuse on (65% off with 2 layers);
+    `inductor_compile` turns reuse off for graphs that call a region twice or more."""
+    from examples.gpt import lm_loss
+
+    regions, plain, (x, y) = _region_gpt(2)
+    compiled = torch.compile(
+        regions, backend=lambda gm, inputs: inductor_compile(gm, inputs, settings=InductorSettings())
+    )
+    lm_loss(compiled(x), y).backward()
+    lm_loss(plain(x), y).backward()
+    for (name, p), q in zip(regions.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_buffer_reuse_is_off_for_repeated_regions_unless_the_user_set_it(monkeypatch, caplog):
+    import inductor.compilers as compilers
+
+    seen: list = []
+    monkeypatch.setattr(compilers, "compile_fx_with", lambda gm, inputs, **kw: seen.append(kw["config_patches"]))
+    regions, plain, (x, _) = _region_gpt(2)
+    for module in (regions, plain):
+        gm, inputs = captured(module, x)
+        inductor_compile(gm, inputs, settings=InductorSettings())
+    assert seen[0]["allow_buffer_reuse"] is False and "allow_buffer_reuse" not in seen[1]
+    gm, inputs = captured(regions, x)
+    with caplog.at_level("WARNING", logger="inductor"):
+        inductor_compile(gm, inputs, settings=InductorSettings(options={"allow_buffer_reuse": True}))
+    assert seen[2]["allow_buffer_reuse"] is True  # the user's own choice stands, with a warning naming it
+    assert any("allow_buffer_reuse=True" in r.getMessage() for r in caplog.records if r.name.startswith("inductor"))

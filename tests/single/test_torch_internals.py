@@ -695,21 +695,3 @@ def test_nested_region_calls_counts_the_invoke_subgraph_calls_of_a_dynamo_graph(
     assert torch_dynamo.nested_region_calls(gm) >= 2
     plain = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
     assert torch_dynamo.nested_region_calls(plain) == 0
-
-
-def test_repeated_region_calls_sent_to_inductor_are_warned_about_and_still_compiled(caplog):
-    from compile_core.api import _warning_on_nested_regions
-
-    gm, inputs = _region_graph()
-    seen: list = []
-
-    def ours() -> list[str]:
-        return [r.getMessage() for r in caplog.records if r.name.startswith("compile_core")]
-
-    with caplog.at_level("WARNING", logger="compile_core"):
-        _warning_on_nested_regions(lambda g, i: seen.append(g), "aot_eager")(gm, inputs)
-        assert ours() == []
-        _warning_on_nested_regions(lambda g, i: seen.append(g), "inductor")(gm, inputs)
-    assert seen == [gm, gm]
-    [message] = ours()
-    assert "wrong gradients" in message and "backend='aot_eager'" in message
