@@ -29,6 +29,7 @@ from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents
 from compile_core.modes import ModeContext, make_mode
 from compile_core.pieces import PieceCompiler
+from compile_core.regions import apply_nested_regions
 from compile_core.report import CompileLog, CompileReport
 from ddp.agreement import RankAgreement, RankAgreementError
 from ddp.bucketing import MiB
@@ -58,6 +59,7 @@ def compile(
     options: dict | None = None,
     reuse_pieces: bool = True,
     reduce_dtype: torch.dtype | None = None,
+    nested_regions: bool = False,
 ) -> "CompiledModel":
     """Compile `model` (a DDP model or a plain module); see docs/design.md for the contract."""
     if not isinstance(model, torch.nn.Module):
@@ -78,6 +80,7 @@ def compile(
         options=options,
         reuse_pieces=reuse_pieces,
         reduce_dtype=reduce_dtype,
+        nested_regions=nested_regions,
     )
     return CompiledModel(model, config)
 
@@ -97,6 +100,13 @@ class CompiledModel:
             )
         self._inner = inner
         self._log = CompileLog()
+        if config.nested_regions:
+            marked = apply_nested_regions(inner)
+            self._log.notes.append(
+                "nested compile regions: " + ", ".join(f"{name} x{n}" for name, n in marked.items())
+                if marked
+                else "nested_regions=True: no repeated blocks found in the parameter names (nothing marked)"
+            )
         self._events = CompileEvents()
         self._calls = 0
         self._eager = False

@@ -57,6 +57,9 @@ class CompileConfig:
     reduce_dtype: torch.dtype | None = None
     """ddp='in_graph' only: the dtype gradients are all-reduced in (cast per bucket, as DDP's
     fp16/bf16 compress hooks do); None = the gradients' own dtype (or the registered hook's)."""
+    nested_regions: bool = False
+    """ddp='in_graph' only: each repeated block becomes one nested compile region, traced once and called
+    per layer (compile_core/regions.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.backend, str):
@@ -86,6 +89,13 @@ class CompileConfig:
         )
         if not isinstance(self.fullgraph, bool):
             raise TypeError(f"fullgraph={self.fullgraph!r} must be True or False")
+        if not isinstance(self.nested_regions, bool):
+            raise TypeError(f"nested_regions={self.nested_regions!r} must be True or False")
+        if self.nested_regions and self.ddp != "in_graph":
+            raise ValueError(
+                f"nested_regions=True needs ddp='in_graph' (got ddp={self.ddp!r}): ddp='split' cuts graphs at "
+                "bucket boundaries, which can fall inside a block; use ddp='in_graph' or leave nested_regions off"
+            )
         if not isinstance(self.reuse_pieces, bool):
             raise TypeError(f"reuse_pieces={self.reuse_pieces!r} must be True or False")
         if self.dynamic not in (None, True, False):

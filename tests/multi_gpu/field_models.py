@@ -27,31 +27,44 @@ class Headed(nn.Module):
         return self.head(torch.tanh(self.body(x)))
 
 
-class RegionBlock(nn.Module):
-    """A residual block whose forward the user marked as a nested compile region."""
+class ResidualBlock(nn.Module):
+    """x + tanh(fc(x)): the repeated block of `Stacked`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(WIDTH, WIDTH)
 
-    @torch.compiler.nested_compile_region
     def forward(self, x):
         return x + torch.tanh(self.fc(x))
 
 
-class Regioned(nn.Module):
-    """Repeated blocks under `torch.compiler.nested_compile_region`: Dynamo traces one block and calls it
-    3 times (`invoke_subgraph`), so each block's parameter gradients come out of a subgraph call."""
+class RegionBlock(ResidualBlock):
+    """`ResidualBlock` whose forward the user marked as a nested compile region (on the class)."""
+
+    forward = torch.compiler.nested_compile_region(ResidualBlock.forward)
+
+
+class Stacked(nn.Module):
+    """3 repeated blocks (`blocks.<i>`) and a head."""
+
+    block = ResidualBlock
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(RegionBlock() for _ in range(3))
+        self.blocks = nn.ModuleList(self.block() for _ in range(3))
         self.head = nn.Linear(WIDTH, OUT)
 
     def forward(self, x):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class Regioned(Stacked):
+    """`Stacked` with the blocks under `torch.compiler.nested_compile_region`: Dynamo traces one block and
+    calls it per layer (`invoke_subgraph`), so each block's parameter gradients come out of a subgraph call."""
+
+    block = RegionBlock
 
 
 class BrokenHeaded(Headed):

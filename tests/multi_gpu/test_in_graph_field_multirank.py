@@ -22,6 +22,7 @@ from tests.multi_gpu.field_models import (
     Halve,
     Headed,
     Regioned,
+    Stacked,
     aux_on_head_bias,
     bf16_by_hand,
     clamp_grad_hooks,
@@ -90,6 +91,7 @@ SCENARIOS = {
         r, _script(make_model=Experts, before_step=_alternate, steps=4, ddp_kwargs={"find_unused_parameters": True})
     ),
     "nested_compile_region_blocks": lambda r: _in_graph(r, _script(make_model=Regioned)),
+    "nested_regions_option": lambda r: _in_graph(r, _script(make_model=Stacked), nested_regions=True),
     "fallback_backend": lambda r: _in_graph(r, _script(), backend=lambda gm, inputs: gm.forward),
     "long_run": lambda r: _long_run(r),
     "zero_grad_after_forward": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, steps=4)),
@@ -222,6 +224,15 @@ def test_blocks_under_nested_compile_region_are_reduced_in_the_backward(results)
     assert_like_eager(per_rank)
     reduced = _reduced_in_graph(per_rank[0]["report"])
     assert {f"blocks.{i}.fc.{k}" for i in range(3) for k in ("weight", "bias")} <= reduced, reduced
+
+
+def test_nested_regions_option_marks_the_repeated_blocks_and_trains_like_eager(results):
+    """compile_core.compile(..., nested_regions=True) on plain blocks: the same as the user's own marking."""
+    per_rank = ok(results, "nested_regions_option")
+    assert_like_eager(per_rank)
+    report = per_rank[0]["report"]
+    assert "nested compile regions: ResidualBlock x3" in report["notes"], report["notes"]
+    assert {f"blocks.{i}.fc.weight" for i in range(3)} <= _reduced_in_graph(report)
 
 
 def test_a_branch_taken_on_one_rank_only(results):
