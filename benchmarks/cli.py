@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nested-regions",
         action="store_true",
         help="mark each GPT block's forward as a torch.compiler.nested_compile_region, as a user would (every "
-        "mode gets the same model): Dynamo traces one block and calls it per layer. Under torch 2.13 PyTorch's "
-        "own Inductor path computes wrong gradients for these blocks on the CPU (README, Limits)",
+        "mode gets the same model): Dynamo traces one block and calls it per layer (README, Limits: a torch 2.13 "
+        "Inductor defect with such graphs, and our workaround)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
