@@ -16,7 +16,7 @@ from typing import Any
 from benchmarks.bracket import bracket
 from benchmarks.checksum import checksum_distance
 from benchmarks.config import BRACKET_MODES, IN_GRAPH_MODES, MODE_HELP, BenchConfig
-from benchmarks.memory import gradient_savings, held_mb
+from benchmarks.memory import gradient_savings, tensor_memory
 
 TIMING_KINDS = ("cold", "warm", "smoke")
 """Jobs whose 2-rank step times, losses and memory enter the table (overlap jobs carry a recorder)."""
@@ -181,7 +181,7 @@ def _profile_of(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
         return {"measured": False, "reason": failed[0]["errors"][0]} if failed else None
     job = profiled[-1]
     ranks = [r["profile"] for r in job["ranks"]]
-    out: dict[str, Any] = {"job_id": job["job_id"], **_tensor_memory(ranks)}
+    out: dict[str, Any] = {"job_id": job["job_id"], **tensor_memory(ranks)}
     rank0 = ranks[0]
     if not rank0.get("measured"):
         return {**out, "measured": False, "reason": rank0.get("reason")}
@@ -192,20 +192,6 @@ def _profile_of(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
         "overlap_percent_per_rank": per_rank,
         "overlap_percent": _median([p for p in per_rank if p is not None]),
         **{k: rank0.get(k) for k in ("median_exposed_ms", "median_comm_ms", "all_reduces", "paired", "timeline_png")},
-    }
-
-
-def _tensor_memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per rank: the step's tensor peak above its start, what the job held at the start (by kind), and
-    their sum, the step's absolute tensor peak (benchmarks/memory.py)."""
-    peaks = [p.get("tensor_peak_mb") for p in ranks]
-    states = [p.get("state_mb") for p in ranks]
-    held = [held_mb(s) for s in states]
-    return {
-        "tensor_peak_mb_per_rank": peaks,
-        "state_mb_per_rank": states,
-        "held_mb_per_rank": held,
-        "absolute_peak_mb_per_rank": [h + p if h is not None and p is not None else None for h, p in zip(held, peaks)],
     }
 
 

@@ -136,6 +136,20 @@ def held_mb(state: dict[str, float] | None) -> float | None:
     return sum(v for k, v in state.items() if k != "gradient_bytes")
 
 
+def tensor_memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per rank: the step's tensor peak above its start, what the job held at the start (by kind), and
+    their sum, the step's absolute tensor peak."""
+    peaks = [p.get("tensor_peak_mb") for p in ranks]
+    states = [p.get("state_mb") for p in ranks]
+    held = [held_mb(s) for s in states]
+    return {
+        "tensor_peak_mb_per_rank": peaks,
+        "state_mb_per_rank": states,
+        "held_mb_per_rank": held,
+        "absolute_peak_mb_per_rank": [h + p if h is not None and p is not None else None for h, p in zip(held, peaks)],
+    }
+
+
 MEMORY_REFERENCE = "ours_step"
 """The mode the memory savings are read against: the same compiled step with DDP's reducer (the issue's
 yardstick: `optimizer_in_backward` must hold at least 75% of the gradient bytes less at its peak)."""
