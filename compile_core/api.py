@@ -18,13 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import (
-    DynamoError,
-    call_uncompiled,
-    install_compiled_call,
-    installed_compiled_call,
-    root_cause,
-)
+from aot.torch_dynamo import DynamoError, call_uncompiled, install_compiled_call, installed_compiled_call, root_cause
 from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents
 from compile_core.modes import ModeContext, make_mode
@@ -39,7 +33,6 @@ from ddp.link_probe import auto_bucket_cap
 from launch.heartbeat import beat
 
 log = logging.getLogger(__name__)
-
 
 _models = itertools.count()
 """Numbers compiled models in creation order: every rank creates them in the same order, so the

@@ -40,8 +40,7 @@ class Block(nn.Module):
 class RegionBlock(Block):
     """`Block` whose forward is a `torch.compiler.nested_compile_region`: Dynamo traces it once and calls
     the traced region per layer. Decorated on the class, as users do: under torch 2.13, the same region
-    bound to each instance with `types.MethodType` traced, and gave wrong outputs (every layer computed with
-    one layer's weights)."""
+    bound to each instance with `types.MethodType` traced and gave outputs far from eager's, silently."""
 
     forward = torch.compiler.nested_compile_region(Block.forward)
 
