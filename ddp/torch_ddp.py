@@ -227,15 +227,19 @@ def release_reducer_buckets(ddp: DistributedDataParallel) -> int:
 
 
 def reducer_bucket_elements(ddp: DistributedDataParallel) -> int:
-    """Elements in the gradient buckets DDP's reducer holds (`Reducer::get_grad_buckets` with zeros,
-    exposed as `_get_zeros_like_grad_buckets`: allocates a zero copy of every bucket; for tests)."""
-    return sum(bucket.buffer().numel() for bucket in ddp.reducer._get_zeros_like_grad_buckets())
+    """Elements in the gradient buckets DDP's reducer holds (for tests; see `_bucket_copies`)."""
+    return sum(buffer.numel() for buffer in _bucket_copies(ddp))
 
 
 def reducer_bucket_bytes(ddp: DistributedDataParallel) -> int:
-    """Bytes of the gradient buckets DDP's reducer holds (same source as `reducer_bucket_elements`, so it
-    allocates a zero copy of every bucket for a moment: call it outside anything measured)."""
-    return sum(b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets())
+    """Bytes of the gradient buckets DDP's reducer holds (see `_bucket_copies`: call it outside anything measured)."""
+    return sum(buffer.numel() * buffer.element_size() for buffer in _bucket_copies(ddp))
+
+
+def _bucket_copies(ddp: DistributedDataParallel) -> list[torch.Tensor]:
+    """A zero copy of each bucket buffer of DDP's reducer (`Reducer::get_grad_buckets` with zeros, exposed as
+    `_get_zeros_like_grad_buckets`): it allocates the buckets' bytes for a moment."""
+    return [bucket.buffer() for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
 
 
 def _new_reducer(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _FALLBACK_EPHEMERAL = (32768, 60999)  # Linux's default range, used where /proc does not say
-_LOWEST = 10000  # below this sit well-known services (and 2024-style dev servers are rare above it)
+_LOWEST = 10000  # well-known and registered service ports crowd the range below this
 
 
 def ephemeral_range() -> tuple[int, int]:
