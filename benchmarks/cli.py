@@ -39,6 +39,18 @@ def _batch(text: str) -> tuple[int, int]:
     return b, t
 
 
+def _compile_threads(text: str) -> int | None:
+    if text == "torch":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--compile-threads {text!r}: pass a count >= 1, or 'torch' for its default")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     preset = p.add_mutually_exclusive_group()
@@ -139,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
         "mode gets the same model): Dynamo traces one block and calls it per layer (README, Limits: a torch 2.13 "
         "Inductor defect with such graphs, and our workaround)",
     )
+    p.add_argument(
+        "--compile-threads",
+        type=_compile_threads,
+        default=1,
+        metavar="N|torch",
+        help="TORCHINDUCTOR_COMPILE_THREADS of every rank (default 1: C++ compiled in-process, seen by the "
+        "breakdown); 'torch' leaves torch's default (the CPU count), as a user's job has it",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--out-dir",
@@ -231,6 +251,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         reduce_dtype=args.reduce_dtype,
         compile_mode=None if args.compile_mode == "default" else args.compile_mode,
         nested_regions=args.nested_regions,
+        compile_threads=args.compile_threads,
     )
 
 

@@ -228,6 +228,9 @@ class BenchConfig:
     """torch.compile mode of every compiled mode, ours and PyTorch's ('reduce-overhead': CUDA graphs); None: default."""
     nested_regions: bool = False
     """Mark each GPT block's forward `torch.compiler.nested_compile_region` (every mode): a block traced once."""
+    compile_threads: int | None = 1
+    """TORCHINDUCTOR_COMPILE_THREADS of every rank (1: each rank compiles its C++ in-process, so the breakdown
+    sees every C++ compile); None leaves torch's default (the CPU count), what a user gets."""
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -250,6 +253,11 @@ class BenchConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"BenchConfig.{field}={value!r}: must be an int >= {minimum}")
+        threads = self.compile_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(
+                f"BenchConfig.compile_threads={self.compile_threads!r}: pass an int >= 1, or None for torch's default"
+            )
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"BenchConfig.bucket_cap_mb={self.bucket_cap_mb!r}: pass a positive MiB value or omit it")
         if self.lr is not None and not self.lr > 0:

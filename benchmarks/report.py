@@ -328,6 +328,12 @@ def run_condition_lines(cfg: dict[str, Any]) -> list[str]:
             if cfg.get("nested_regions")
             else "plain modules"
         ),
+        "- Inductor compile threads per rank: "
+        + (
+            "torch's default (the CPU count)"
+            if cfg.get("compile_threads", 1) is None
+            else f"{cfg.get('compile_threads', 1)} (TORCHINDUCTOR_COMPILE_THREADS)"
+        ),
     ]
 
 

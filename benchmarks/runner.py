@@ -60,10 +60,15 @@ def _rank_env(spec: JobSpec, rank: int, port: int, *, shaped: bool = False) -> d
         OMP_NUM_THREADS="1",
         MKL_NUM_THREADS="1",
         TORCHINDUCTOR_CACHE_DIR=spec.cache_dir,
-        # one compile thread per rank: no worker pool competing with the other rank for the 2 cores
-        TORCHINDUCTOR_COMPILE_THREADS="1",
         PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
     )
+    # By default one compile thread per rank: no worker pool competing with the other rank for the cores.
+    # None (--compile-threads torch) leaves torch's own choice, the CPU count, as a user's job has it.
+    threads = spec.worker.get("compile_threads", 1)
+    if threads is None:
+        env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
+    else:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
     return env
 
 

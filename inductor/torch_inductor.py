@@ -46,6 +46,8 @@ def compile_fx_with(
     """
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    remember_isa_probes()
+
     def inner_compile(graph: fx.GraphModule, inputs: list, **kwargs: Any) -> Any:
         on_graph(graph, bool(kwargs.get("is_backward", False)))
         return compile_fx_inner(graph, inputs, **kwargs)
@@ -53,6 +55,62 @@ def compile_fx_with(
     return compile_fx(
         gm, example_inputs, inner_compile=inner_compile, config_patches=dict(config_patches or {}) or None
     )
+
+
+ISA_PROBE_MARK = ".dlopen_ok."
+"""Suffix (then a hash of the process's environment) of the file that says a probe library loaded."""
+
+
+def remember_isa_probes() -> None:
+    """Let Inductor's CPU vector-ISA probe trust an earlier success on this host (once per process).
+
+    Mirrors `VecISA.check_build` / `VecISA._probe_load` (`torch/_inductor/cpu_vec_isa.py`): in every
+    process, for each ISA the CPU reports (3 on an AVX-512 machine, checked twice for AVX-512), Inductor
+    compiles a small library into its cache dir (kept: the path hashes the compiler version, the ISA flags
+    and the torch version) and then starts a child Python to `dlopen` it, about 0.16 s a child and 1 s
+    per process here: a quarter of a warm start of our one-graph modes. We keep the load step and remember
+    its success in a file next to the library, named by a hash of what else the load depends on (host,
+    interpreter, torch build, `LD_LIBRARY_PATH`). A later process with the same library and the same hash
+    skips the child. A failed or hung probe is not remembered, so it is tried again, as torch would.
+    """
+    import torch._inductor.cpu_vec_isa as vec_isa
+
+    probe = vec_isa.VecISA._probe_load
+    if getattr(probe, "_remembers", False):
+        return
+
+    def probe_load(self: Any, output_path: str) -> bool:
+        mark = output_path + ISA_PROBE_MARK + _probe_environment()
+        if os.path.isfile(mark) and os.path.isfile(output_path):
+            return True
+        ok = probe(self, output_path)
+        if ok:
+            _touch_atomically(mark)
+        return ok
+
+    probe_load._remembers = True  # type: ignore[attr-defined]
+    vec_isa.VecISA._probe_load = probe_load
+
+
+def _probe_environment() -> str:
+    import hashlib
+    import platform
+    import sys
+
+    parts = (platform.node(), sys.executable, torch.__version__, str(torch.version.git_version))
+    parts += (os.environ.get("LD_LIBRARY_PATH", ""),)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _touch_atomically(path: str) -> None:
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".isa_probe")
+        os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache dir: the next process probes again, as without us
 
 
 def cache_dir() -> str:

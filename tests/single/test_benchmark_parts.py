@@ -866,6 +866,33 @@ def test_nested_regions_reach_every_job_and_region_blocks_compute_what_plain_blo
     assert traced == [3], traced  # one region call per layer: what makes the blocks traced once
 
 
+def test_compile_threads_reach_each_ranks_environment(monkeypatch):
+    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.report import run_condition_lines
+    from benchmarks.runner import _rank_env
+    from benchmarks.suite import CacheDirs, plan_round
+
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "7")  # the caller's own setting never leaks through
+    caches = CacheDirs()
+    try:
+        pinned = next(iter(plan_round(_cfg("--quick"), 1, caches)))
+        unpinned = next(iter(plan_round(_cfg("--quick", "--compile-threads", "torch"), 1, caches)))
+        three = next(iter(plan_round(_cfg("--quick", "--compile-threads", "3"), 1, caches)))
+    finally:
+        caches.cleanup()
+    assert _rank_env(pinned, 0, 1234)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert "TORCHINDUCTOR_COMPILE_THREADS" not in _rank_env(unpinned, 0, 1234)  # torch picks (the CPU count)
+    assert _rank_env(three, 1, 1234)["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
+    assert "torch's default" in run_condition_lines({"compile_threads": None})[-1]
+    assert run_condition_lines({})[-1].endswith("1 (TORCHINDUCTOR_COMPILE_THREADS)")  # older runs: pinned
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(SystemExit):
+            _cfg("--compile-threads", bad)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="compile_threads=.*None for torch's default"):
+            BenchConfig(workloads=(Workload(name="w"),), compile_threads=bad)
+
+
 def test_bracket_modes_get_one_kind_of_job_each_and_no_scaling_or_overlap_jobs(tmp_path):
     from benchmarks.suite import CacheDirs, plan_overlap, plan_round
 

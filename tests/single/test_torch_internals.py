@@ -427,6 +427,25 @@ def test_cache_dir_and_disk_cache_switches(tmp_path, monkeypatch):
 
 
 @pytest.mark.inductor
+def test_isa_probe_goes_through_probe_load_and_is_remembered(monkeypatch):
+    with canary("inductor/torch_inductor.py:remember_isa_probes"):
+        from torch._inductor import cpu_vec_isa
+
+        torch_inductor.remember_isa_probes()
+        candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list if isinstance(isa, cpu_vec_isa.VecAVX2)]
+        isa = candidates[0] if candidates else None
+        if isa is None or "avx2" not in cpu_vec_isa.x86_isa_checker():
+            pytest.skip("needs an x86 CPU with AVX2, the ISA this canary builds a probe library for")
+        assert isa.check_build(cpu_vec_isa.VecISA._avx_code)  # compiles (or finds) and loads; marks success
+
+        def no_child(*args, **kwargs):
+            raise AssertionError("the probe started a child process for a library that loaded before")
+
+        monkeypatch.setattr(cpu_vec_isa.subprocess, "run", no_child)
+        assert isa.check_build(cpu_vec_isa.VecISA._avx_code)
+
+
+@pytest.mark.inductor
 def test_compile_fx_with_sees_forward_and_backward_graphs():
     with canary("inductor/torch_inductor.py:compile_fx_with"):
         graphs = []
