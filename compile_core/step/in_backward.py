@@ -22,7 +22,7 @@ Algorithm:
     every parameter shape of that group.
   * From update 2 the compiled backward applies that update right after its bucket's all-reduce lands
     (ddp/in_graph/graph_pass.py): on the GPU the graph is spliced in per parameter; on the CPU one
-    opaque op per bucket calls the same math compiled once per parameter size (Note [An opaque update
+    opaque op per bucket calls the same math compiled once, its length symbolic (Note [An opaque update
     op instead of spliced update nodes] in ddp/in_graph/update_op.py). Either way with that update's
     scalar vector (computed before the forward: lr, betas, momentum, weight decay and the step count
     are values, so schedules never recompile); the state tensors are the optimizer's own, updated in
@@ -92,7 +92,7 @@ class OptimizerInBackward:
         self.clip_max_norm = clip_max_norm
         """With clipping, every bucket is updated after the last all-reduce (global norm first)."""
         self.compile_kernel = compile_kernel
-        """Compiles one parameter's update (static shapes) for the CPU's per-bucket op; None: spliced graphs."""
+        """Compiles one parameter's update (a symbolic length) for the CPU's per-bucket op; None: spliced graphs."""
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
         self.norm = torch.zeros((), dtype=torch.float32, device=device) if clip_max_norm is not None else None
         """Receives the total gradient norm (before clipping) from the backward."""
@@ -195,27 +195,37 @@ def _kind(optimizer: torch.optim.Optimizer, group: dict, state_keys: tuple[str, 
 
 
 def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: Callable, per_param: int):
-    """`kernel(params, grads, states, rows)`: the update compiled once per parameter size (flattened:
-    same-sized parameters share a compile), each size its own cache; static shapes, so a gradient's
-    offset into its bucket's buffer never recompiles. A non-contiguous parameter runs the math eagerly."""
-    by_numel: dict[int, Callable[..., None]] = {}
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.view(-1) if t.dim() else t
+    """`kernel(params, grads, states, rows)`: the update compiled once for every parameter size (`compile_kernel`
+    compiles with a symbolic length; see `_flat_alias`). A non-contiguous parameter runs the math eagerly."""
+    compiled: list[Callable[..., None]] = []
 
     def kernel(params, grads, states, rows) -> None:
         for i, (param, grad) in enumerate(zip(params, grads)):
             own = states[i * per_param : (i + 1) * per_param]
-            tensors = [param, grad, *own]
+            tensors = [param, grad, *own, rows[i]]
             if not all(t.is_contiguous() for t in tensors):
-                fn(param, grad, *own, rows[i])
+                fn(*tensors)
                 continue
-            compiled = by_numel.get(param.numel())
-            if compiled is None:
-                compiled = by_numel[param.numel()] = compile_kernel(fn)
-            compiled(*[flat(t) for t in tensors], rows[i])
+            if not compiled:
+                compiled.append(compile_kernel(fn))
+            compiled[0](*[_flat_alias(t) for t in tensors])
 
     return kernel
+
+
+def _flat_alias(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements as a new 1-D tensor over the same memory, at storage offset 0 and with no view base.
+
+    A gradient is a view into its bucket's buffer at some offset, a scalar row a slice of one tensor: with
+    a symbolic length, Dynamo guards a view's base (its rank and strides) and a storage offset (0 or not,
+    equal to a size or not), and recompiled the update for 4 parameters of 4 shapes 3 times. Over a slice
+    of the storage there is nothing left to guard but the length. Writes go to `t`'s memory."""
+    if t.dim() == 0:
+        return t
+    size = t.element_size()
+    start = t.storage_offset() * size
+    storage = t.untyped_storage()[start : start + t.numel() * size]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (t.numel(),), (1,))
 
 
 def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:

@@ -240,9 +240,9 @@ class TrainStep:
         return norm
 
     def _compile_update_kernel(self, fn: Callable[..., None]) -> Callable[..., None]:
-        """One parameter's update for the backward's per-bucket op, compiled like the update (static shapes,
-        a cache of its own; its compiles are the optimizer's, in the report)."""
-        return self._opt_events.compile(fn, lookup_backend(self.config.backend), dynamic=False, isolate_recompiles=True)
+        """One parameter's update for the backward's per-bucket op, compiled once for every parameter size (its
+        length symbolic; a cache of its own; its compiles are the optimizer's, in the report)."""
+        return self._opt_events.compile(fn, lookup_backend(self.config.backend), dynamic=True, isolate_recompiles=True)
 
     def _update_fn(self) -> Callable[[], torch.Tensor | None]:
         return clip_and_step(self._params, self.config.clip_grad_norm, self.optimizer)

@@ -266,9 +266,9 @@ def test_inductor_updates_like_eager_and_a_warm_job_loads_the_update_variant_fro
     _assert_like_eager(warm, rtol=1e-3, atol=1e-4)
     for rank, r in enumerate(warm):
         aot, fx = r["counters"]["aot_autograd"], r["counters"]["inductor"]
-        # the update variant (update 1 is eager DDP) and the update kernels (one per parameter size,
+        # the update variant (update 1 is eager DDP) and the update kernel (one for every parameter size,
         # ddp/in_graph/update_op.py) come from the cache
-        assert aot.get("autograd_cache_hit", 0) > 2 and not aot.get("autograd_cache_miss"), (rank, aot)
+        assert aot.get("autograd_cache_hit", 0) >= 2 and not aot.get("autograd_cache_miss"), (rank, aot)
         assert not aot.get("autograd_cache_bypass") and not fx.get("fxgraph_cache_bypass"), (rank, aot, fx)
         assert not fx.get("fxgraph_cache_miss"), (rank, fx)
 

@@ -86,3 +86,50 @@ def test_the_chunked_update_gets_its_scalar_rows_on_the_parameters_device(opt_cl
     rows = [a for a in arguments if isinstance(a, torch.Tensor)]
     assert len(rows) == 1 and rows[0].shape[0] == len(params)
     assert rows[0].device.type == "meta"
+
+
+def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matches_torchs_step():
+    """The per-bucket op's kernel (ddp/in_graph/update_op.py) gets gradients as views into one bucket
+    buffer at several offsets, and scalar rows sliced from one tensor, as the compiled backward passes
+    them: compiled as train_step compiles it (a symbolic length), one compile serves every parameter."""
+    from ddp.in_graph.update_op import BUCKET_UPDATE
+
+    def model_params() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(*shape)) for shape in ((8, 16), (48,), (4, 4, 4), (300,), (7,))]
+
+    def stepped(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+        optimizer.step()  # update 1 creates the state, as in train_step
+        return optimizer
+
+    params, ref_params = model_params(), model_params()
+    optimizer, ref_optimizer = stepped(params), stepped(ref_params)
+    compiles: list[int] = []
+
+    def counting(gm, example_inputs):
+        compiles.append(len(example_inputs))
+        return gm.forward
+
+    as_the_step_does = lambda fn: torch.compile(fn, backend=counting, dynamic=True)  # noqa: E731
+    updates = OptimizerInBackward(optimizer, compile_kernel=as_the_step_does)
+    updates.prepare()
+    templates = [updates.template_for(p) for p in params]
+    bucket = torch.randn(sum(p.numel() for p in params) + 5, generator=torch.Generator().manual_seed(2))
+    grads, offset = [], 5  # the first gradient not at offset 0 either
+    for p in params:
+        grads.append(bucket[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    states = [s for p, t in zip(params, templates) for s in updates.states(p, t)]
+    rows = [row for p, t in zip(params, templates) for _, row in updates.hypers(p, t)]
+    BUCKET_UPDATE(params, grads, states, rows, templates[0].kind)
+    assert len(compiles) == 1, compiles
+    for p, g in zip(ref_params, grads):
+        p.grad = g.clone()
+    ref_optimizer.step()
+    for p, ref in zip(params, ref_params):
+        torch.testing.assert_close(p.data, ref.data, rtol=1e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(optimizer.state[p][key], ref_optimizer.state[ref][key], rtol=1e-6, atol=1e-7)
