@@ -164,6 +164,22 @@ def aux_on_head_bias(out, target, model, step):
     return torch.nn.functional.mse_loss(out, target) + 0.1 * (model.head.bias * weights).sum()
 
 
+def aux_on_block_bias(out, target, model, step):
+    """mse + a rank-dependent auxiliary term on `blocks.1.fc.bias`: a parameter inside a nested compile
+    region (called once per block) that also gets a gradient from eager code outside the model."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    weights = torch.linspace(-1, 1, model.blocks[1].fc.bias.numel(), device=out.device) * (rank + 1) * (step + 1)
+    return torch.nn.functional.mse_loss(out, target) + 0.1 * (model.blocks[1].fc.bias * weights).sum()
+
+
+def regioned_first_block_frozen() -> Regioned:
+    """`Regioned` fine-tuned with its first block frozen: the region's parameters get a gradient in two of
+    its three calls."""
+    model = Regioned()
+    model.blocks[0].requires_grad_(False)
+    return model
+
+
 def clamp_grad_hooks(ddp) -> None:
     """Clip-by-value through gradient hooks on the head and the first layer (registered after wrapping):
     eager DDP averages the clamped local gradients, which is not the clamp of the average."""

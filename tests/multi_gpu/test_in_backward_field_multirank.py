@@ -21,10 +21,12 @@ from tests.multi_gpu.field_models import (
     Headed,
     Mixed,
     Regioned,
+    aux_on_block_bias,
     aux_on_head_bias,
     clamp_grad_hooks,
     halve_hook,
     last_batch_smaller,
+    regioned_first_block_frozen,
     regression_data,
 )
 from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
@@ -145,6 +147,18 @@ SCENARIOS = {
     "last_batch_smaller": lambda r: _step(r, _script(make_opt=adamw, data=last_batch_smaller)),
     "gradient_hooks_clamp": lambda r: _step(r, _script(make_opt=adamw, setup=clamp_grad_hooks)),
     "nested_compile_region_blocks": lambda r: _step(r, _script(make_model=Regioned, make_opt=adamw)),
+    "regions_aux_loss_on_block_bias": lambda r: _step(
+        r, _script(make_model=Regioned, loss=aux_on_block_bias, make_opt=adamw)
+    ),
+    "regions_param_groups": lambda r: _step(r, _script(make_model=Regioned, make_opt=adamw_groups)),
+    "regions_static_graph": lambda r: _step(
+        r, _script(make_model=Regioned, make_opt=adamw, ddp_kwargs={"static_graph": True})
+    ),
+    "regions_accumulation": lambda r: _step(r, _script(make_model=Regioned, make_opt=adamw, accum=2)),
+    "regions_first_block_frozen": lambda r: _step(r, _script(make_model=regioned_first_block_frozen, make_opt=adamw)),
+    "regions_ignored_block": lambda r: _step(
+        r, _script(make_model=Regioned, make_opt=adamw, ignore=("blocks.2.fc.weight", "blocks.2.fc.bias"))
+    ),
     "weight_decay_schedule_from_zero": lambda r: _step(
         r, _script(make_opt=adamw_no_decay, make_sched=DecayFromUpdate3)
     ),
@@ -187,6 +201,10 @@ def _assert_in_backward(per_rank: list[dict], *, kept: int = 0) -> None:
         "accumulation",
         "weight_decay_schedule_from_zero",
         "nested_compile_region_blocks",
+        "regions_param_groups",
+        "regions_static_graph",
+        "regions_accumulation",
+        "regions_first_block_frozen",
     ],
 )
 def test_updates_inside_the_backward_like_the_eager_script(results, name):
@@ -244,6 +262,22 @@ def test_a_branch_that_joins_at_update_3_is_updated_from_its_first_gradient(resu
         if n.startswith("extra.") and not torch.equal(per_rank[0]["params"][n], per_rank[0]["initial"][n])
     ]
     assert moved == ["extra.weight", "extra.bias"], moved
+
+
+def test_an_auxiliary_loss_on_a_parameter_inside_a_region_is_updated_by_the_normal_step(results):
+    per_rank = ok(results, "regions_aux_loss_on_block_bias")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    _assert_in_backward(per_rank, kept=1)  # blocks.1.fc.bias: reduced and updated after the backward
+    assert per_rank[0]["report"]["in_graph"]["outside_graph"] == ["blocks.1.fc.bias"]
+
+
+def test_ignored_parameters_inside_a_region_are_updated_from_their_local_gradient(results):
+    per_rank = ok(results, "regions_ignored_block")
+    ignored = ("blocks.2.fc.weight", "blocks.2.fc.bias")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6, not_reduced=ignored)
+    _assert_in_backward(per_rank, kept=0)
+    for name in ignored:
+        assert not torch.equal(per_rank[0]["params"][name], per_rank[1]["params"][name]), name
 
 
 def test_ignored_parameters_are_updated_from_their_local_gradient(results):

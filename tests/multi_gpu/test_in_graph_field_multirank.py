@@ -23,6 +23,7 @@ from tests.multi_gpu.field_models import (
     Headed,
     Regioned,
     Stacked,
+    aux_on_block_bias,
     aux_on_head_bias,
     bf16_by_hand,
     clamp_grad_hooks,
@@ -92,6 +93,15 @@ SCENARIOS = {
     ),
     "nested_compile_region_blocks": lambda r: _in_graph(r, _script(make_model=Regioned)),
     "nested_regions_option": lambda r: _in_graph(r, _script(make_model=Stacked), nested_regions=True),
+    "regions_aux_loss_on_block_bias": lambda r: _in_graph(r, _script(make_model=Regioned, loss=aux_on_block_bias)),
+    "regions_static_graph": lambda r: _in_graph(r, _script(make_model=Regioned, ddp_kwargs={"static_graph": True})),
+    "regions_no_sync_accumulation": lambda r: _in_graph(r, _script(make_model=Regioned, accum=2)),
+    "regions_custom_comm_hook": lambda r: _in_graph(
+        r, _script(make_model=Regioned, setup=lambda d: d.register_comm_hook(Halve(), halve_hook))
+    ),
+    "regions_option_aux_loss": lambda r: _in_graph(
+        r, _script(make_model=Stacked, loss=aux_on_block_bias), nested_regions=True
+    ),
     "fallback_backend": lambda r: _in_graph(r, _script(), backend=lambda gm, inputs: gm.forward),
     "long_run": lambda r: _long_run(r),
     "zero_grad_after_forward": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, steps=4)),
@@ -233,6 +243,22 @@ def test_nested_regions_option_marks_the_repeated_blocks_and_trains_like_eager(r
     report = per_rank[0]["report"]
     assert "nested compile regions: ResidualBlock x3" in report["notes"], report["notes"]
     assert {f"blocks.{i}.fc.weight" for i in range(3)} <= _reduced_in_graph(report)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "regions_aux_loss_on_block_bias",
+        "regions_static_graph",
+        "regions_no_sync_accumulation",
+        "regions_custom_comm_hook",
+        "regions_option_aux_loss",
+    ],
+)
+def test_nested_compile_regions_with_other_ddp_patterns_train_like_eager(results, name):
+    """Region blocks (the user's marking or nested_regions=True) with an auxiliary loss on a parameter
+    inside the region, static_graph, no_sync accumulation and a custom comm hook."""
+    assert_like_eager(ok(results, name))
 
 
 def test_a_branch_taken_on_one_rank_only(results):
