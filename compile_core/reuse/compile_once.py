@@ -63,6 +63,7 @@ import torch.distributed as dist
 from aot.structure import structural_key
 from aot.torch_dynamo_cache import AotCache
 from compile_core.reuse.claims import CompileClaims, Holder, WaitEnd
+from compile_core.reuse.idle_work import run_offered
 from compile_core.reuse.piece_records import Compiled, Job, PieceRecord, Wait
 from compile_core.reuse.store_claims import StoreClaims
 from ddp import torch_ddp
@@ -89,7 +90,8 @@ def leader_dead_s() -> float:
     return env_seconds(LEADER_DEAD_ENV, DEFAULT_LEADER_DEAD_S)
 
 
-def _rank() -> tuple[int, int]:
+def job_rank() -> tuple[int, int]:
+    """(rank, world size) of this process in the job: the default process group's, else torchrun's variables."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -98,14 +100,14 @@ def _rank() -> tuple[int, int]:
 def rank_offset(n: int) -> int:
     """Where this rank starts in a list of `n` things to compile, so the ranks of the job start apart
     (claims are job-wide: each rank first compiles its own share)."""
-    rank, world = _rank()
+    rank, world = job_rank()
     world = max(world, 1)
     return ((rank % world) * n) // world if n else 0
 
 
 def say(message: str, *args: Any) -> None:
     """A progress line: INFO on rank 0, DEBUG on the other ranks (they compile the same things)."""
-    level = logging.INFO if _rank()[0] == 0 else logging.DEBUG
+    level = logging.INFO if job_rank()[0] == 0 else logging.DEBUG
     log.log(level, "compile_core: " + message, *args)
 
 
@@ -217,7 +219,7 @@ class CompileOnce:
                 log.warning(
                     "compile_core: rank %d: %s's compile of %s is not a cache hit here (its cache key "
                     "differs: a rank-specific value such as the device index); compiled it here",
-                    _rank()[0],
+                    job_rank()[0],
                     record.waited_for,
                     job.name,
                 )
@@ -242,7 +244,7 @@ class CompileOnce:
         compile_fn: Callable[[Job], Compiled],
         claims: CompileClaims | StoreClaims,
     ) -> None:
-        rank, _ = _rank()
+        rank, _ = job_rank()
         offset = rank_offset(len(todo))
         order = todo[offset:] + todo[:offset]
         deferred = []
@@ -259,6 +261,9 @@ class CompileOnce:
                 deferred.append(i)
                 continue
             results[i] = self._compile_holding(claim, jobs[i], keys[i], compile_fn)
+        if deferred:
+            for name in run_offered():  # about to wait: use the idle core for what this rank needs next
+                say("%s compiled while rank %d waited for another rank's compile", name, rank)
         for i in deferred:
             job = jobs[i]
 
@@ -331,7 +336,7 @@ class CompileOnce:
         """Job-wide claims through the process group's store when there is one (every node), else file
         claims in the cache dir (the processes sharing it)."""
         if self._claims is None:
-            rank, world = _rank()
+            rank, world = job_rank()
             if dist.is_available() and dist.is_initialized() and world > 1:
                 self._claims = StoreClaims(
                     torch_ddp.default_store(),

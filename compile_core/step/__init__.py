@@ -4,6 +4,8 @@
 * `config.py`, `report.py`, `checks.py` -- its configuration, report and input checks;
 * `update.py` -- the optimizer update after the backward compiled whole, and its capture check;
 * `chunked_update.py` -- the same update compiled once per repeated block (SGD, Adam, AdamW);
+* `chunk_math.py` -- the function a chunk's update runs, and its arguments;
+* `stand_ins.py` -- copies and torch-made optimizer state, to compile the update before update 1;
 * `optim_math.py` -- SGD/Adam/AdamW math per parameter, with host-computed scalars;
 * `in_backward.py` -- the update inside the compiled backward (`optimizer_in_backward=True`);
 * `hyperparams.py` -- lr/betas as tensors while a whole `optimizer.step()` runs compiled.

@@ -20,6 +20,13 @@ Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW, as `compile_core/st
     When the state already exists at update 1 (a run resumed from a checkpoint, or plain SGD, which
     keeps none), update 1 runs compiled too: a resumed run applies the same compiled math at every
     update as the run it continues.
+  * ahead of update 1 (`compile_ahead`), when the model compiles as one graph (`ddp="in_graph"`): one
+    rank compiles the model while the others wait for it, so a rank about to wait first compiles the
+    chunks on stand-ins (compile_core/step/stand_ins.py: copies with zero gradients and the state a
+    throwaway optimizer of the same class creates, so its layout is torch's own; the step offers this
+    work through compile_core/reuse/idle_work.py). Through the chunks' claims the compiling rank later
+    loads them; update 1 compiles only a chunk whose real key differs. A rank that never waits (a warm
+    start) compiles at update 1 as before.
   * clipping (`clip_grad_norm_` over all gradients) is its own compiled function, called first;
   * a parameter without a gradient has no optimizer state (unused so far, `find_unused_parameters`):
     the update in which one first has a gradient runs `optimizer.step()` eagerly, which creates its
@@ -44,7 +51,8 @@ import torch
 from aot.torch_dynamo import DynamoError, lookup_backend, watch_caches
 from compile_core.events import CompileEvents
 from compile_core.reuse.compile_once import Compiled, CompileOnce, Job, rank_offset, say
-from compile_core.step import optim_math
+from compile_core.step.chunk_math import UPDATES, chunk_arguments
+from compile_core.step.stand_ins import stand_ins
 from ddp.bucketing import ParamInfo
 from ddp.bucketing.repeats import repeated_units
 
@@ -97,6 +105,9 @@ class ChunkedUpdate:
         # Claims only (no reuse here: Dynamo's cache per chunk signature does that): with Inductor,
         # the ranks of a node compile different chunks and load the others' (Note [Compile once]).
         self._once = CompileOnce(reuse=False, claims=claims, records=[], lock=threading.Lock()) if claims else None
+        self._ahead = False  # compiling ahead of update 1 (`compile_ahead`): recorded per compile
+        self.shares_compiles = self._once is not None
+        """The ranks' compiles of a chunk are shared (claims): worth compiling ahead (`compile_ahead`)."""
         self.failure: BaseException | None = None
         """Why the chunks could not be compiled (update 1 was applied eagerly; use eager from now on)."""
 
@@ -192,9 +203,7 @@ class ChunkedUpdate:
                 return None
             chunk.keys[ids] = key
         if key not in self._fns:
-            self._fns[key] = self.events.compile(
-                _UPDATES[type(self.optimizer)], self._recording(chunk.name), isolate_recompiles=True
-            )
+            self._fns[key] = self._new_chunk_fn(chunk)
         return self._fns[key]
 
     def _prepare(self) -> None:
@@ -225,9 +234,9 @@ class ChunkedUpdate:
         # Each rank starts with another chunk, so that with claims they compile different ones at once.
         offset = rank_offset(len(distinct))
         for chunk, present, key in distinct[offset:] + distinct[:offset]:
-            fn = self.events.compile(
-                _UPDATES[type(self.optimizer)], self._recording(chunk.name), isolate_recompiles=True
-            )
+            if key in self._fns:
+                continue  # compiled ahead, on stand-ins (`compile_ahead`)
+            fn = self._new_chunk_fn(chunk)
             self._fns[key] = fn
             # Copies as Parameters: Dynamo's guards check the tensor type too.
             params = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in present]
@@ -263,15 +272,63 @@ class ChunkedUpdate:
             time.perf_counter() - start,
         )
 
-    def _signature(self, params: list[torch.nn.Parameter]) -> tuple:
+    def compile_ahead(self) -> int:
+        """Compile each distinct chunk before update 1, on stand-ins (`stand_ins`); returns how many.
+
+        For a job whose model compiles as one graph: one rank compiles the model while the others wait for
+        it, and a rank about to wait runs this first (offered by the step: compile_core/reuse/idle_work.py),
+        on a core that would idle; through the chunks' claims the compiling rank loads them later. Update 1
+        still runs eagerly; `_prepare` then compiles only the chunks whose real key differs."""
+        if self._calls or self._fns:
+            return 0
+        start, compiled = time.perf_counter(), 0
+        self._ahead = True
+        try:
+            compiled = self._compile_ahead_each()
+        finally:
+            self._ahead = False
+        say(
+            "optimizer update: %d distinct chunk(s) compiled ahead of update 1; %.2f s",
+            compiled,
+            time.perf_counter() - start,
+        )
+        return compiled
+
+    def _compile_ahead_each(self) -> int:
+        compiled = 0
+        for chunk in self._chunks:
+            params = [p for p in chunk.params if p.requires_grad]
+            if not params:
+                continue
+            copies, states = stand_ins(self.optimizer, chunk.group, params)
+            key = (chunk.group, self._signature(copies, states))
+            if key in self._fns:
+                continue
+            fn = self._new_chunk_fn(chunk)
+            with torch.no_grad():
+                self._run(chunk, fn, params=copies, states=states)
+            self._fns[key] = fn
+            compiled += 1
+        return compiled
+
+    def _new_chunk_fn(self, chunk: _Chunk) -> Callable[..., Any]:
+        # Static shapes: every chunk runs the same function, and Dynamo made the second distinct chunk a
+        # process compiled through it dynamic (automatic dynamic shapes). The graph, and its cache key, then
+        # depended on which chunk a rank compiled first, so ranks that start apart missed each other's compile.
+        return self.events.compile(
+            UPDATES[type(self.optimizer)], self._recording(chunk.name), dynamic=False, isolate_recompiles=True
+        )
+
+    def _signature(self, params: list[torch.nn.Parameter], states: list[dict] | None = None) -> tuple:
         def meta(t: Any) -> Any:
             if isinstance(t, torch.Tensor):
                 return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type)
             return type(t).__name__
 
+        states = [self.optimizer.state[p] for p in params] if states is None else states
         return tuple(
-            (meta(p), meta(p.grad), tuple(sorted((k, meta(v)) for k, v in self.optimizer.state[p].items())))
-            for p in params
+            (meta(p), meta(p.grad), tuple(sorted((k, meta(v)) for k, v in state.items())))
+            for p, state in zip(params, states)
         )
 
     def _recording(self, name: str) -> Callable[..., Any]:
@@ -287,7 +344,7 @@ class ChunkedUpdate:
             job = Job(gm=gm, inputs=list(example_inputs), name=f"update.{name}")
             if self._once is not None:
                 compiled = self._once.compile_all([job], ("optimizer", backend_name), compile_it)[0]
-                self.records.append(self._once.records[-1].to_dict())
+                self.records.append({**self._once.records[-1].to_dict(), "ahead": self._ahead})
                 return compiled.fn
             start = time.perf_counter()
             compiled = compile_it(job)
@@ -296,6 +353,7 @@ class ChunkedUpdate:
                 "cache": compiled.cache.describe(),
                 "seconds": time.perf_counter() - start,
                 "reused_from": None,
+                "ahead": self._ahead,
             }
             self.records.append(record)
             say("%s compiled (%s) %.2f s", job.name, record["cache"], record["seconds"])
@@ -320,9 +378,9 @@ class ChunkedUpdate:
             # torch skips parameters without a gradient; so does this (rare) path, eagerly.
             kept = [(p, s) for p, s in zip(params, states) if p.grad is not None]
             if kept:
-                _UPDATES[type(self.optimizer)](*_arguments(self.optimizer, chunk.group, *zip(*kept)))
+                UPDATES[type(self.optimizer)](*chunk_arguments(self.optimizer, chunk.group, *zip(*kept)))
             return
-        fn(*_arguments(self.optimizer, chunk.group, params, states))
+        fn(*chunk_arguments(self.optimizer, chunk.group, params, states))
 
 
 def _plan_chunks(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[_Chunk]:
@@ -342,62 +400,3 @@ def _plan_chunks(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
         for unit, members in by_unit.items():
             chunks.append(_Chunk(group=index, name=f"group{index}.{unit or 'rest'}", params=members))
     return chunks
-
-
-def _arguments(optimizer: torch.optim.Optimizer, group_index: int, params: Any, states: Any) -> tuple:
-    """(params, grads, state lists..., scalars, flags) for the group's update (compile_core/step/optim_math.py)."""
-    group = optimizer.param_groups[group_index]
-    params = list(params)
-    grads = [p.grad for p in params]
-    # the scalar rows go where the chunk's parameters are (a chunk holds one device): a CUDA kernel
-    # reading a CPU tensor fails at launch
-    device = params[0].device if params else None
-    if isinstance(optimizer, torch.optim.SGD):
-        buffers = [s.get("momentum_buffer") if group["momentum"] != 0 else None for s in states]
-        flags = {
-            "weight_decay": group["weight_decay"] != 0,
-            "nesterov": group["nesterov"],
-            "maximize": group["maximize"],
-        }
-        return params, grads, buffers, optim_math.scalars(optimizer, group, [0.0] * len(params), device), flags
-    amsgrad = bool(group.get("amsgrad"))
-    steps = [float(s["step"]) + 1 for s in states]  # the step this update reaches (eager reads it after += 1)
-    flags = {
-        "decoupled": optim_math.decoupled(optimizer, group),
-        "weight_decay": group["weight_decay"] != 0,
-        "maximize": group["maximize"],
-    }
-    return (
-        params,
-        grads,
-        [s["exp_avg"] for s in states],
-        [s["exp_avg_sq"] for s in states],
-        [s["max_exp_avg_sq"] for s in states] if amsgrad else [None] * len(params),
-        [s["step"] for s in states],
-        optim_math.scalars(optimizer, group, steps, device),
-        flags,
-    )
-
-
-def _sgd_chunk(params: list, grads: list, buffers: list, scalars: torch.Tensor, flags: dict) -> None:
-    for i, p in enumerate(params):
-        optim_math.sgd_math(p, grads[i], buffers[i], scalars[i], **flags)
-
-
-def _adam_chunk(
-    params: list,
-    grads: list,
-    exp_avgs: list,
-    exp_avg_sqs: list,
-    max_exp_avg_sqs: list,
-    steps: list,
-    scalars: torch.Tensor,
-    flags: dict,
-) -> None:
-    for i, p in enumerate(params):
-        optim_math.adam_math(
-            p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], scalars[i], **flags
-        )
-
-
-_UPDATES = {torch.optim.SGD: _sgd_chunk, torch.optim.Adam: _adam_chunk, torch.optim.AdamW: _adam_chunk}

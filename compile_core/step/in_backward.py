@@ -53,6 +53,7 @@ import torch
 
 from aot.torch_dynamo import capture_functional
 from compile_core.step import optim_math
+from compile_core.step.chunk_math import alias_at_offset_zero
 from ddp.in_graph.graph_pass import UpdateTemplate
 from ddp.in_graph.update_op import register_kernel
 from inductor.torch_inductor import decompositions
@@ -196,7 +197,9 @@ def _kind(optimizer: torch.optim.Optimizer, group: dict, state_keys: tuple[str, 
 
 def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: Callable, per_param: int):
     """`kernel(params, grads, states, rows)`: the update compiled once for every parameter size (`compile_kernel`
-    compiles with a symbolic length; see `_flat_alias`). A non-contiguous parameter runs the math eagerly."""
+    compiles with a symbolic length; each tensor passed flat at offset 0, `alias_at_offset_zero`: with a
+    symbolic length Dynamo guarded a view's base and a storage offset, and recompiled the update for 4
+    parameters of 4 shapes 3 times). A non-contiguous parameter runs the math eagerly."""
     compiled: list[Callable[..., None]] = []
 
     def kernel(params, grads, states, rows) -> None:
@@ -208,24 +211,9 @@ def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: Callable, per
                 continue
             if not compiled:
                 compiled.append(compile_kernel(fn))
-            compiled[0](*[_flat_alias(t) for t in tensors])
+            compiled[0](*[alias_at_offset_zero(t, flat=True) for t in tensors])
 
     return kernel
-
-
-def _flat_alias(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s elements as a new 1-D tensor over the same memory, at storage offset 0 and with no view base.
-
-    A gradient is a view into its bucket's buffer at some offset, a scalar row a slice of one tensor: with
-    a symbolic length, Dynamo guards a view's base (its rank and strides) and a storage offset (0 or not,
-    equal to a size or not), and recompiled the update for 4 parameters of 4 shapes 3 times. Over a slice
-    of the storage there is nothing left to guard but the length. Writes go to `t`'s memory."""
-    if t.dim() == 0:
-        return t
-    size = t.element_size()
-    start = t.storage_offset() * size
-    storage = t.untyped_storage()[start : start + t.numel() * size]
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (t.numel(),), (1,))
 
 
 def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:

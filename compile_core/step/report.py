@@ -29,7 +29,8 @@ class OptimizerReport:
     whole_step_reason: str | None = None
     """Why the update is compiled as one `optimizer.step()` instead (None when per block)."""
     graph_compiles: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """One per compiled or reused update graph: `name`, `cache`, `seconds`, `reused_from`."""
+    """One per compiled or reused update graph: `name`, `cache`, `seconds`, `reused_from`, and (per block)
+    `ahead`: compiled before update 1, on stand-ins, while this rank waited for another's compile."""
 
     def to_dict(self) -> dict[str, Any]:
         return {

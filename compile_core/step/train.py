@@ -58,6 +58,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import DynamoError, cause_chain, lookup_backend
 from compile_core.events import CompileEvents
+from compile_core.reuse import idle_work
+from compile_core.reuse.compile_once import job_rank
 from compile_core.step.checks import NO_TARGET, check_inputs, check_loss, split_args
 from compile_core.step.chunked_update import ChunkedUpdate
 from compile_core.step.config import TrainStepConfig
@@ -68,6 +70,9 @@ from compile_core.step.update import CompiledUpdate, chunking_blocker, clip_and_
 from ddp.in_graph.probe import eager_outside_producers
 from inductor.torch_inductor import disk_caches_enabled
 from launch.heartbeat import beat
+
+UPDATE_OFFER = "optimizer update (ahead of update 1)"
+"""The name of the offer `_offer_update_compile` makes (compile_core/reuse/idle_work.py)."""
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +143,8 @@ class TrainStep:
         sync = self.pending_micro_batches == self.config.accum_steps - 1
         if sync and self._in_backward is not None:
             self._in_backward.before_sync_step()  # this update's scalars (the scheduler's lr, betas)
+        if self._micro_batches == 0:
+            self._offer_update_compile()
         loss = self._forward_backward(inputs, target, sync=sync)
         self._micro_batches += 1
         self.applied = sync
@@ -218,6 +225,7 @@ class TrainStep:
 
     def _normal_update(self, index: int) -> torch.Tensor | None:
         """clip + optimizer.step() after the backward, compiled (eager once that failed)."""
+        idle_work.withdraw(UPDATE_OFFER)  # not taken by a wait: update 1 compiles it, as without the offer
         if self._update is None and self._opt_fallback is None:
             self._update = self._build_update()
         if self._update is not None:
@@ -238,6 +246,23 @@ class TrainStep:
         else:
             norm = self._eager_update()
         return norm
+
+    def _offer_update_compile(self) -> None:
+        """One-graph jobs (`ddp="in_graph"`): one rank compiles the model and the others wait for it; a rank
+        about to wait compiles the optimizer update meanwhile, on stand-ins (`compile_core/reuse/idle_work.py`,
+        `ChunkedUpdate.compile_ahead`). Withdrawn at update 1 if no wait took it."""
+        if self.config.ddp != "in_graph" or self._in_backward is not None or job_rank()[1] < 2:
+            return
+        if self._update is None and self._opt_fallback is None:
+            self._update = self._build_update()
+        update = self._update
+        if isinstance(update, ChunkedUpdate) and update.shares_compiles:
+
+            def compile_ahead() -> None:
+                with self._pins.applied():
+                    update.compile_ahead()
+
+            idle_work.offer(UPDATE_OFFER, compile_ahead)
 
     def _compile_update_kernel(self, fn: Callable[..., None]) -> Callable[..., None]:
         """One parameter's update for the backward's per-bucket op, compiled once for every parameter size (its

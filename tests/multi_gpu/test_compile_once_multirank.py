@@ -139,3 +139,42 @@ def test_a_failing_leader_makes_the_other_rank_compile(tmp_path, monkeypatch):
     assert follower["fallbacks"] == []  # it compiled with inductor itself
     assert [x["cache"].split(",")[0] for x in follower["piece_compiles"]] == ["aot cache miss"]
     assert any("fallbacks" in d["difference"] for d in follower["rank_differences"])  # and says rank 0 differs
+
+
+def train_step_in_graph(rank: int, world_size: int, cache_dir: str) -> dict:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # before anything compiles in this process
+    import compile_core
+
+    torch.manual_seed(0)
+    model = to_rank_device(Blocks())
+    ref = copy.deepcopy(model)
+    ours, theirs = wrap_ddp(model, bucket_cap_mb=0.01), wrap_ddp(ref, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    step = compile_core.train_step(ours, opt, lambda out, _: out.square().mean(), backend="inductor", ddp="in_graph")
+    for i in range(3):
+        x = to_rank_device(x64(i, rank))
+        step(x, None)
+        theirs(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    return {
+        "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+        "ref": {n: p.detach().cpu() for n, p in ref.named_parameters()},
+        "update_compiles": step.report().to_dict()["optimizer"]["graph_compiles"],
+    }
+
+
+@pytest.mark.inductor
+@pytest.mark.timeout(900)
+def test_a_rank_waiting_for_the_one_graph_compiles_the_optimizer_update_meanwhile(tmp_path):
+    """ddp="in_graph": one rank compiles the model's graph, the other waits for it and compiles the
+    optimizer update (on stand-ins) in that time; update 1 then compiles nothing more on that rank, and
+    every update is eager DDP's."""
+    results = run_ranks(train_step_in_graph, str(tmp_path / "cache"), world_size=2, timeout=800)
+    assert_equal_to_eager(results)
+    ahead = [[r for r in res["update_compiles"] if r.get("ahead")] for res in results]
+    waited = [rank for rank, rows in enumerate(ahead) if rows]
+    assert len(waited) == 1, [res["update_compiles"] for res in results]
+    rows = results[waited[0]]["update_compiles"]
+    assert all(r["ahead"] for r in rows if not r["reused_from"]), rows  # nothing compiled again at update 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from compile_core.step import chunked_update
+from compile_core.step import chunk_math
 from compile_core.step.in_backward import OptimizerInBackward
 
 
@@ -82,7 +82,7 @@ def test_the_chunked_update_gets_its_scalar_rows_on_the_parameters_device(opt_cl
         }
         for _ in params
     ]
-    arguments = chunked_update._arguments(optimizer, 0, params, states)
+    arguments = chunk_math.chunk_arguments(optimizer, 0, params, states)
     rows = [a for a in arguments if isinstance(a, torch.Tensor)]
     assert len(rows) == 1 and rows[0].shape[0] == len(params)
     assert rows[0].device.type == "meta"
@@ -133,3 +133,79 @@ def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matche
         torch.testing.assert_close(p.data, ref.data, rtol=1e-6, atol=1e-7)
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(optimizer.state[p][key], ref_optimizer.state[ref][key], rtol=1e-6, atol=1e-7)
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 2, bias=False)  # the rest: 3 parameters, a block 2
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(self.norm(x))
+
+
+def test_the_update_compiled_ahead_on_stand_ins_is_the_one_update_1_needs():
+    """`ChunkedUpdate.compile_ahead` (what ranks other than 0 of a one-graph job run before their first
+    forward) compiles each distinct chunk on stand-ins, touching neither the parameters nor the optimizer
+    state; update 1 (eager) then finds every chunk compiled, and update 2 runs it like torch's step."""
+    from compile_core.events import CompileEvents
+    from compile_core.step.chunked_update import ChunkedUpdate
+
+    def setup():
+        torch.manual_seed(0)
+        model = _Blocks()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    model, optimizer = setup()
+    ref_model, ref_optimizer = setup()
+    compiled: list[bool] = []
+
+    def counting(gm, example_inputs):
+        compiled.append(any(isinstance(x, torch.SymInt) for x in example_inputs))
+        return gm.forward
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    update = ChunkedUpdate(optimizer, names, counting, CompileEvents(breaks_from="counters", name="update"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert update.compile_ahead() == 2 and len(compiled) == 2  # the blocks' chunk (once) and the rest
+    # Both static: the second chunk compiled through the same function is not made dynamic, so its graph
+    # (and cache key) does not depend on which chunk a rank compiled first.
+    assert compiled == [False, False], compiled
+    assert [r["ahead"] for r in update.records] == [True, True]
+    assert not optimizer.state
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and p.grad is None, n
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m in (model, ref_model):
+            m(x).square().sum().backward()
+        update(step + 1)
+        ref_optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ref_optimizer.zero_grad(set_to_none=True)
+    assert len(compiled) == 2, compiled  # update 1's keys were the stand-ins' keys: nothing compiled again
+    for (n, p), ref in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_the_chunk_gets_its_gradients_at_storage_offset_zero_over_the_same_memory():
+    """A gradient that sits in its bucket's storage reaches the compiled chunk as an alias at offset 0: the
+    compile caches key an input's offset, so a compile on stand-ins (offset 0) is found for the real one."""
+    bucket = torch.zeros(40)
+    params = [nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(8))]
+    params[0].grad = bucket[4:20].view(4, 4)
+    params[1].grad = bucket[24:32]
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    for p in params:
+        p.grad.normal_()
+    optimizer.step()
+    states = [optimizer.state[p] for p in params]
+    grads = chunk_math.chunk_arguments(optimizer, 0, params, states)[1]
+    for grad, p in zip(grads, params):
+        assert grad.storage_offset() == 0 and grad.data_ptr() == p.grad.data_ptr()
+        assert grad.shape == p.grad.shape and grad.stride() == p.grad.stride()
+        torch.testing.assert_close(grad, p.grad, rtol=0, atol=0)
