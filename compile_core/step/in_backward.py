@@ -47,15 +47,17 @@ update); `TORCH_LOGS=output_code` shows the update kernels between the backward'
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 
 from aot.torch_dynamo import capture_functional
+from compile_core.reuse import idle_work
 from compile_core.step import optim_math
 from compile_core.step.chunk_math import alias_at_offset_zero
 from ddp.in_graph.graph_pass import UpdateTemplate
-from ddp.in_graph.update_op import register_kernel
+from ddp.in_graph.update_op import BUCKET_UPDATE, register_kernel
 from inductor.torch_inductor import decompositions
 
 _SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -182,7 +184,11 @@ class OptimizerInBackward:
         # Triton kernels instead of several launches per parameter (not measured yet: no GPU with 2.13).
         if self.compile_kernel is not None and param.device.type == "cpu":
             kind = _kind(self.optimizer, group, state_keys, param)
-            register_kernel(kind, _per_parameter_kernel(fn, self.compile_kernel, len(state_keys)))
+            kernel = _per_parameter_kernel(fn, self.compile_kernel, len(state_keys))
+            register_kernel(kind, kernel)
+            # A rank that waits for another's compile of the update variant compiles this meanwhile.
+            states = [state[k] for k in state_keys]
+            idle_work.offer(f"update kernel {kind}", functools.partial(kernel.warm, kind, param, states, row))
         return UpdateTemplate(
             graph=graph, positions=tuple(positions), state_keys=state_keys, hyper_keys=("scalars",), kind=kind
         )
@@ -213,6 +219,17 @@ def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: Callable, per
                 compiled.append(compile_kernel(fn))
             compiled[0](*[alias_at_offset_zero(t, flat=True) for t in tensors])
 
+    def warm(kind: str, param: torch.Tensor, states: list[torch.Tensor], row: torch.Tensor) -> None:
+        """Compile the kernel now on stand-ins shaped like `param`'s flattened tensors (64 elements: the
+        length is symbolic), unless it already is; through the op, as the backward calls it (inside a
+        custom op the tensors carry other dispatch keys, which Dynamo guards on)."""
+        if compiled:
+            return
+        like = lambda t: t.detach().clone() if t.dim() == 0 else t.new_zeros(64)  # noqa: E731
+        with torch.no_grad():
+            BUCKET_UPDATE([like(param)], [like(param)], [like(t) for t in states], [row.detach().clone()], kind)
+
+    kernel.warm = warm  # type: ignore[attr-defined]
     return kernel
 
 
