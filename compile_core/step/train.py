@@ -253,6 +253,8 @@ class TrainStep:
         `ChunkedUpdate.compile_ahead`). Withdrawn at update 1 if no wait took it."""
         if self.config.ddp != "in_graph" or self._in_backward is not None or job_rank()[1] < 2:
             return
+        if chunking_blocker(self.optimizer) is not None:
+            return  # a whole `optimizer.step()` is compiled at update 1, as before (its pins installed then)
         if self._update is None and self._opt_fallback is None:
             self._update = self._build_update()
         update = self._update
