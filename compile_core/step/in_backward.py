@@ -51,6 +51,7 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from aot.torch_dynamo import capture_functional
 from compile_core.reuse import idle_work
@@ -207,6 +208,15 @@ def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: Callable, per
     symbolic length Dynamo guarded a view's base and a storage offset, and recompiled the update for 4
     parameters of 4 shapes 3 times). A non-contiguous parameter runs the math eagerly."""
     compiled: list[Callable[..., None]] = []
+    # A parameter's and its state's aliases are made once (they live as long as the tensor, and a new
+    # storage, `.data =`, makes a new one); a gradient's and a scalar row's are new tensors every update.
+    lasting: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def flat_lasting(t: torch.Tensor) -> torch.Tensor:
+        held = lasting.get(t)
+        if held is None or held[0] != (t.data_ptr(), t.numel()):
+            held = lasting[t] = ((t.data_ptr(), t.numel()), alias_at_offset_zero(t, flat=True))
+        return held[1]
 
     def kernel(params, grads, states, rows) -> None:
         for i, (param, grad) in enumerate(zip(params, grads)):
@@ -217,7 +227,9 @@ def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: Callable, per
                 continue
             if not compiled:
                 compiled.append(compile_kernel(fn))
-            compiled[0](*[alias_at_offset_zero(t, flat=True) for t in tensors])
+            flat = [flat_lasting(param), alias_at_offset_zero(grad, flat=True)]
+            flat += [flat_lasting(t) if t.dim() else t for t in own]
+            compiled[0](*flat, alias_at_offset_zero(rows[i], flat=True))
 
     def warm(kind: str, param: torch.Tensor, states: list[torch.Tensor], row: torch.Tensor) -> None:
         """Compile the kernel now on stand-ins shaped like `param`'s flattened tensors (64 elements: the

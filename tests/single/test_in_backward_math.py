@@ -214,3 +214,31 @@ def test_the_chunk_gets_its_gradients_at_storage_offset_zero_over_the_same_memor
         assert grad.storage_offset() == 0 and grad.data_ptr() == p.grad.data_ptr()
         assert grad.shape == p.grad.shape and grad.stride() == p.grad.stride()
         torch.testing.assert_close(grad, p.grad, rtol=0, atol=0)
+
+
+def test_the_cpu_update_kernel_follows_a_parameter_whose_storage_was_replaced():
+    """The kernel keeps a parameter's flat alias from update to update; after `param.data = ...` (a new
+    storage, as an in-place checkpoint load may do) the update must reach the new memory, not the old."""
+    from ddp.in_graph.update_op import BUCKET_UPDATE
+
+    def setup():
+        torch.manual_seed(0)
+        param = nn.Parameter(torch.randn(6, 5))
+        optimizer = torch.optim.AdamW([param], lr=1e-2, weight_decay=0.1, foreach=False)
+        param.grad = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+        optimizer.step()
+        return param, optimizer
+
+    (param, optimizer), (ref, ref_optimizer) = setup(), setup()
+    updates = OptimizerInBackward(optimizer, compile_kernel=lambda fn: fn)  # the kernel's path, uncompiled
+    updates.prepare()
+    for update in range(2):
+        updates.refresh()  # this update's scalars (step count), as before each forward
+        template = updates.template_for(param)
+        grad = torch.randn(6, 5, generator=torch.Generator().manual_seed(2 + update))
+        rows = [row for _, row in updates.hypers(param, template)]
+        BUCKET_UPDATE([param], [grad], updates.states(param, template), rows, template.kind)
+        ref.grad = grad.clone()
+        ref_optimizer.step()
+        torch.testing.assert_close(param.data, ref.data, rtol=1e-6, atol=1e-7, msg=f"update {update + 2}")
+        param.data = param.data.clone()  # a new storage before the next update
