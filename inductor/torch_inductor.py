@@ -75,8 +75,10 @@ def remember_isa_probes() -> None:
     """
     import torch._inductor.cpu_vec_isa as vec_isa
 
-    probe = vec_isa.VecISA._probe_load
-    if getattr(probe, "_remembers", False):
+    probe = getattr(vec_isa.VecISA, "_probe_load", None)
+    if probe is None or getattr(probe, "_remembers", False):
+        # None: a torch whose probe has no separate load step (2.11), so nothing to remember; Inductor
+        # probes as it always did (a missing name here failed every Inductor compile on an H100 with 2.11)
         return
 
     def probe_load(self: Any, output_path: str) -> bool:
@@ -153,7 +155,27 @@ def order_after(graph: fx.Graph, deps: dict[fx.Node, list[fx.Node]]) -> None:
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet
 
+    _run_control_deps_below_autograd()
     preserve_node_ordering(graph, {node: OrderedSet(before) for node, before in deps.items() if before})
+
+
+def _run_control_deps_below_autograd() -> None:
+    """Give `control_deps` an Autograd kernel where this torch has none (2.11 has none; 2.13 has one).
+
+    A backward graph run eagerly (aot_eager, or a fallback) calls the op on parameters, which require
+    grad, so the dispatcher asks for its AutogradCUDA/AutogradCPU kernel even with grad mode off: without
+    one every ordered backward raised "could not find kernel for HigherOrderOperator control_deps" (seen
+    on an H100 with torch 2.11). The kernel only runs the wrapped node, as 2.13's does.
+    """
+    from torch._C import DispatchKey
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    if DispatchKey.Autograd in control_deps.py_kernels:
+        return
+
+    @control_deps.py_impl(DispatchKey.Autograd)
+    def _below_autograd(additional_deps, subgraph, *args, **kwargs):
+        return subgraph(*args, **kwargs)
 
 
 def partitioner_patch(

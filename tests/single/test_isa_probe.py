@@ -66,3 +66,10 @@ def test_installing_twice_wraps_once(counted_probe):
     wrapped = cpu_vec_isa.VecISA._probe_load
     torch_inductor.remember_isa_probes()
     assert cpu_vec_isa.VecISA._probe_load is wrapped
+
+
+def test_a_torch_without_the_load_step_is_left_to_probe_as_it_always_did(monkeypatch):
+    """torch 2.11 has no `VecISA._probe_load`: asking for it there failed every Inductor compile."""
+    monkeypatch.delattr(cpu_vec_isa.VecISA, "_probe_load")
+    torch_inductor.remember_isa_probes()
+    assert not hasattr(cpu_vec_isa.VecISA, "_probe_load")

@@ -714,3 +714,38 @@ def test_nested_region_calls_counts_the_invoke_subgraph_calls_of_a_dynamo_graph(
     assert torch_dynamo.nested_region_calls(gm) >= 2
     plain = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
     assert torch_dynamo.nested_region_calls(plain) == 0
+
+
+def test_an_ordered_graph_runs_eagerly_on_parameters_even_where_control_deps_had_no_autograd_kernel():
+    """torch 2.11's `control_deps` had no Autograd kernel: an ordered backward run eagerly (aot_eager) on
+    tensors that require grad raised. Simulated here by taking 2.13's kernel away; `order_after` puts one back."""
+    with canary("inductor/torch_inductor.py:order_after/control_deps Autograd kernel"):
+        from torch._C import DispatchKey
+        from torch._inductor.fx_passes.control_dependencies import control_deps, preserve_node_ordering
+        from torch.utils._ordered_set import OrderedSet
+
+        def ordered(order) -> torch.fx.GraphModule:
+            gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+            x = gm.graph.placeholder("x")
+            first = gm.graph.call_function(torch.ops.aten.add.Tensor, (x, 1))
+            second = gm.graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+            gm.graph.output((first, second))
+            order(gm.graph, second, first)
+            gm.recompile()
+            assert any(n.target is control_deps for n in gm.graph.nodes)
+            return gm
+
+        x = torch.ones(3, requires_grad=True)
+        kept = control_deps.py_kernels.pop(DispatchKey.Autograd)
+        control_deps._dispatch_cache.clear()
+        try:
+            before = ordered(lambda g, node, after: preserve_node_ordering(g, {node: OrderedSet([after])}))
+            with torch.no_grad(), pytest.raises(NotImplementedError, match="control_deps"):
+                before(x)  # what torch 2.11 did
+            ours = ordered(lambda g, node, after: torch_inductor.order_after(g, {node: [after]}))
+            with torch.no_grad():
+                first, second = ours(x)
+            assert torch.equal(first, x.detach() + 1) and torch.equal(second, x.detach() * 2)
+        finally:
+            control_deps.py_kernels[DispatchKey.Autograd] = kept
+            control_deps._dispatch_cache.clear()
