@@ -218,14 +218,20 @@ def assert_close_params(got: dict, want: dict, *, rtol: float, atol: float, what
 
 
 def assert_matches_eager(
-    per_rank: list[dict], *, rtol: float = 1e-5, atol: float = 1e-6, update_rtol: float = 1e-4, not_reduced=()
+    per_rank: list[dict],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    update_rtol: float = 1e-4,
+    not_reduced=(),
+    noise: float = 0.0,
 ) -> None:
     """Each rank equals its eager DDP reference (parameters within rtol/atol, and the training update
     within `update_rtol` of eager's update), training moved the parameters well beyond the tolerance,
     the ranks hold identical parameters (except `not_reduced` ones), and the data really differed per
-    rank (so a missing reduction would have shown)."""
+    rank (so a missing reduction would have shown). `noise`: see `update_rel_err`."""
     for rank, r in enumerate(per_rank):
-        err = update_rel_err(r["params"], r["ref"], r["initial"])
+        err = update_rel_err(r["params"], r["ref"], r["initial"], noise=noise)
         assert err < update_rtol, f"rank {rank}: update differs from eager DDP's by {err:.2e} of its size"
         assert_close_params(r["params"], r["ref"], rtol=rtol, atol=atol, what=f"rank {rank} vs eager DDP:")
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=rtol, atol=atol)
@@ -286,14 +292,19 @@ def assert_real_buckets_are_pieces(per_rank: list[dict], untouched: tuple[str, .
             )
 
 
-def update_rel_err(params: dict, ref: dict, initial: dict) -> float:
+def update_rel_err(params: dict, ref: dict, initial: dict, *, noise: float = 0.0) -> float:
     """How far `params` ended from `ref`, relative to how far training moved `ref` (worst parameter).
 
     Small differences in a few steps' updates hide under the size of the weights themselves; against the
     update they show: a run in another precision ends ~1e-3 of the update away, a matching run ~1e-7.
+    `noise` > 0 leaves out parameters whose update is under that fraction of the largest one: an
+    attention key bias has an exactly zero true gradient, so its update is rounding noise (~1e-12 of the
+    others), which two devices' kernels round differently; the parameter check still covers them.
     """
+    moved = {n: (ref[n].double() - initial[n].double()).norm().item() for n in ref}
+    floor = noise * max(moved.values())
     return max(
-        ((params[n].double() - ref[n].double()).norm() / (ref[n].double() - initial[n].double()).norm()).item()
+        ((params[n].double() - ref[n].double()).norm() / moved[n]).item()
         for n in ref
-        if not torch.equal(ref[n], initial[n])
+        if moved[n] > floor and not torch.equal(ref[n], initial[n])
     )

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tests.multi_gpu.ddp_compare import ok, run_scenarios, snapshot
 from tests.multi_gpu.models import step_data, step_model
-from tests.ranks import run_ranks, to_rank_device, wrap_ddp
+from tests.ranks import rank_device, run_ranks, to_rank_device, wrap_ddp
 
 pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(420)]
 
@@ -249,6 +249,7 @@ def _inductor_job(rank: int, world_size: int, cache_dir: str, opt: str = "adamw"
 
     out = _scenario(rank, opt=opt, backend="inductor")
     out["counters"] = {k: dict(counters[k]) for k in ("aot_autograd", "inductor")}
+    out["device"] = rank_device(rank).type
     return out
 
 
@@ -264,11 +265,12 @@ def test_inductor_updates_like_eager_and_a_warm_job_loads_the_update_variant_fro
     _assert_like_eager(cold, rtol=1e-3, atol=1e-4)
     warm = run_ranks(_inductor_job, cache, world_size=2, timeout=400)
     _assert_like_eager(warm, rtol=1e-3, atol=1e-4)
+    # the update variant (update 1 is eager DDP) and, on the CPU, the update kernel (one for every parameter
+    # size, ddp/in_graph/update_op.py) come from the cache; on a GPU the update is fused into the backward
     for rank, r in enumerate(warm):
+        graphs = 2 if r["device"] == "cpu" else 1
         aot, fx = r["counters"]["aot_autograd"], r["counters"]["inductor"]
-        # the update variant (update 1 is eager DDP) and the update kernel (one for every parameter size,
-        # ddp/in_graph/update_op.py) come from the cache
-        assert aot.get("autograd_cache_hit", 0) >= 2 and not aot.get("autograd_cache_miss"), (rank, aot)
+        assert aot.get("autograd_cache_hit", 0) >= graphs and not aot.get("autograd_cache_miss"), (rank, aot)
         assert not aot.get("autograd_cache_bypass") and not fx.get("fxgraph_cache_bypass"), (rank, aot, fx)
         assert not fx.get("fxgraph_cache_miss"), (rank, fx)
 
