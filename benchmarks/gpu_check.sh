@@ -3,11 +3,18 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh env internals in_graph_cuda bench_default bench_cudagraphs
 #
+# A part named with a trailing '+' (`families_diag+`) starts in the background and the next part starts at
+# once; the script waits for every part before it packs the logs.
+#
 #   env               GPU, driver, torch/triton versions; our packages import
 #   internals         the canary tests of the private torch names we use (this torch may not be 2.13)
 #   in_graph_cuda     the in-graph / in-backward / train_step / DDP-options 2-rank tests, both gloo ranks on
 #                     CUDA tensors (DDP_COMPILE_TEST_DEVICE=cuda), Inductor's kernels in Triton
 #   transformers_cpu  the Hugging Face in-graph tests with CPU ranks (this torch, no GPU involved)
+#   families_diag     BERT, ViT and ResNet per parameter: compile(ddp="in_graph") and ddp="none" against eager
+#                     DDP, 2 gloo ranks on CUDA tensors (tests/multi_gpu/families_diag.py), one launch each
+#   regions_probe     plain torch.compile of a GPT whose blocks are nested compile regions, on the GPU, with
+#                     Inductor's buffer reuse on and off, against eager's gradients (tests/single/regions_probe.py)
 #   bench_default     the benchmark's single-process part: world size 1 (nccl), comm workload, every compiled
 #                     mode, Inductor default mode
 #   bench_cudagraphs  the same with --compile-mode reduce-overhead (CUDA graphs) for every mode
@@ -15,12 +22,12 @@
 # Each part has its own time limit and log (under $OUT/logs, tarred to $OUT/logs.tgz at the end); the whole
 # script stops starting parts when BUDGET_S seconds are spent. One line per part goes to $OUT/summary.txt.
 set -u
-OUT=${OUT:-$PWD/gpu_out}
+export OUT=${OUT:-$PWD/gpu_out}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 PY=${PYTHON:-python3}
-DEADLINE=$(($(date +%s) + ${BUDGET_S:-560}))
+DEADLINE=${DEADLINE:-$(($(date +%s) + ${BUDGET_S:-560}))}
 BENCH_MODES=${BENCH_MODES:-eager,torch_ddpopt,torch_savvy,ours_compile,ours_in_graph,ours_step,ours_step_in_graph,ours_step_in_backward}
 TESTS=(
     tests/multi_gpu/test_in_graph_multirank.py
@@ -53,11 +60,16 @@ bench() { # bench NAME MODES EXTRA_ARGS...: the world-size-1 benchmark of the co
     local name=$1 modes=$2
     shift 2
     part "$name" "${BENCH_LIMIT_S:-300}" "$PY" -m benchmarks --workloads comm --world-size 1 --modes "$modes" \
-        --rounds 1 --no-cold-warm --no-scaling --no-overlap --no-plot --warmup 3 --steps 20 --timeout 150 \
+        --rounds 1 --no-cold-warm --no-scaling --no-overlap --no-plot --warmup 3 --steps 20 --timeout "${JOB_TIMEOUT_S:-150}" \
         --out-dir "$OUT/$name" --markdown "$OUT/$name/BENCHMARKS.md" "$@"
 }
 
-for name in "$@"; do
+for arg in "$@"; do
+    name=${arg%+}
+    if [[ $arg == *+ ]]; then
+        GPU_CHECK_CHILD=1 DEADLINE=$DEADLINE bash "$0" "$name" &
+        continue
+    fi
     case $name in
     env)
         part env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, torch.version.cuda, \
@@ -75,11 +87,22 @@ print(\"our packages import\")'"
         part transformers_cpu "${TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -rfE -p no:cacheprovider --timeout 200 \
             -n "${TEST_WORKERS:-8}" -k reduced_inside tests/multi_gpu/test_transformers_in_graph_multirank.py
         ;;
+    families_diag)
+        part families_diag "${DIAG_LIMIT_S:-300}" bash -c "for m in bert vit resnet; do \
+DDP_COMPILE_TEST_DEVICE=cuda $PY -m tests.multi_gpu.families_diag \$m >$LOGS/diag_\$m.txt 2>&1 & done; wait; \
+grep -h -E '^(==|   )' $LOGS/diag_*.txt"
+        ;;
+    regions_probe) part regions_probe 240 "$PY" -m tests.single.regions_probe cuda ;;
     bench_default) bench bench_default "$BENCH_MODES" ;;
     bench_cudagraphs) bench bench_cudagraphs "${CUDAGRAPH_MODES:-$BENCH_MODES}" --compile-mode reduce-overhead ;;
     *) echo "unknown part $name" | tee -a "$OUT/summary.txt" ;;
     esac
 done
+[[ -n ${GPU_CHECK_CHILD:-} ]] && exit 0 # a background part: the parent packs the logs
+wait
 tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz --exclude summary.txt . 2>/dev/null
+for log in "$LOGS"/families_diag.log "$LOGS"/regions_probe.log "$LOGS"/in_graph_cuda.log; do # details, up front
+    [[ -f $log ]] && { echo "--- ${log##*/}"; grep -v -i warn "$log" | tail -n 40 | cut -c1-400; }
+done
 rm -rf "$LOGS" "$OUT"/bench_*
 cat "$OUT/summary.txt"
