@@ -51,6 +51,12 @@ class InductorSettings:
         patches.update(self.options or {})
         return patches
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether compiled graphs are captured as CUDA graphs (`reduce-overhead`, `max-autotune`, or the
+        `triton.cudagraphs` option)."""
+        return bool(self.config_patches().get("triton.cudagraphs"))
+
 
 def inductor_compile(
     gm: fx.GraphModule,

@@ -129,7 +129,7 @@ class TrainStep:
                 optimizer,
                 self.compiled_model.in_graph,
                 clip_max_norm=config.clip_grad_norm,
-                blocker=None if grad_scaler is None else "a GradScaler must see every gradient before any update",
+                blocker=config.in_backward_blocker(grad_scaler=grad_scaler is not None),
                 compile_kernel=self._compile_update_kernel,
             )
             if self._in_backward.reason is not None:

@@ -153,3 +153,29 @@ def test_the_eager_first_step_finds_the_parameters_a_loss_reaches_beside_the_mod
     assert eager_outside_producers(out, plain) == set()  # every gradient flows through the output
     aux = plain + 0.1 * model[2].bias.square().sum() + model[0].weight.abs().mean()
     assert eager_outside_producers({"logits": out}, aux) == {id(model[2].bias), id(model[0].weight)}
+
+
+@pytest.mark.parametrize(
+    "compile_kwargs",
+    [{"mode": "reduce-overhead"}, {"mode": "max-autotune"}, {"options": {"triton.cudagraphs": True}}],
+)
+def test_cuda_graphs_keep_the_update_after_the_backward_and_the_report_says_why(compile_kwargs):
+    """Our one GPU run of in-backward updates under CUDA graphs died with SIGSEGV (torch 2.11, H100)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = compile_core.train_step(
+        DDP(model), opt, F.mse_loss, ddp="in_graph", optimizer_in_backward=True, **compile_kwargs
+    )
+    report = step.report().to_dict()["optimizer_in_backward"]
+    assert report["requested"] and not report["active"], report
+    assert "CUDA graphs" in report["reason"] and "max-autotune-no-cudagraphs" in report["reason"], report
+    other = _mlp()
+    plain = compile_core.train_step(
+        DDP(other),
+        torch.optim.SGD(other.parameters(), lr=0.05),
+        F.mse_loss,
+        ddp="in_graph",
+        optimizer_in_backward=True,
+        mode="max-autotune-no-cudagraphs",
+    )
+    assert plain.report().to_dict()["optimizer_in_backward"]["reason"] is None
