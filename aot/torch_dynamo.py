@@ -297,8 +297,16 @@ def saved_count(backward: fx.Graph) -> int:
     return sum(1 for n in backward.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
 
 
-def save_for_backward(forward: fx.GraphModule, backward: fx.GraphModule, fw_node: fx.Node) -> fx.Node:
+def save_for_backward(
+    forward: fx.GraphModule, backward: fx.GraphModule, fw_node: fx.Node, *, version_checked: bool = True
+) -> fx.Node:
     """Make the partitioned `forward` save `fw_node` for `backward`; return its placeholder there.
+
+    `version_checked=False` hands the backward the tensor itself, however often it was written to in
+    place since the forward (AOTAutograd stashes it on the autograd ctx instead of `save_for_backward`,
+    `meta["saved_tensor_with_no_vc_check"]`, Note [Activations with no version counter checks in eager]
+    in `_functorch/_aot_autograd/descriptors.py`): for a tensor the backward writes into, not one it
+    reads as the forward saw it. Such tensors go after the checked ones, as AOTAutograd orders them.
 
     AOTAutograd's partitioned graphs talk through the forward's extra outputs, in two different
     orders (`_functorch/partitioners.py`, `_extract_fwd_bwd_modules`): the forward returns its user
@@ -324,6 +332,10 @@ def save_for_backward(forward: fx.GraphModule, backward: fx.GraphModule, fw_node
     for value, placeholder in zip(fw_tensors, bw_tensors):
         if value is fw_node:
             return placeholder
+    if not version_checked:
+        fw_node.meta["saved_tensor_with_no_vc_check"] = True
+    elif any(n.meta.get("saved_tensor_with_no_vc_check") for n in fw_tensors):
+        raise AssertionError(f"{fw_node.name}: a version-checked tensor cannot follow unchecked ones")
     position = len(outputs) - n_saved + len(fw_tensors)  # saved tensors come before saved sizes
     outputs.insert(position, fw_node)
     fw_out.args = (tuple(outputs),)

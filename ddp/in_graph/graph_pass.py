@@ -238,7 +238,9 @@ def _insert_updates(
 
     def input_node(index: int) -> fx.Node:
         if index not in saved:
-            saved[index] = save_for_backward(forward, backward, fw_inputs[index])
+            # unchecked: the backward updates these tensors in place, live; a forward that writes a
+            # parameter in place (nn.Embedding(max_norm=...)) would otherwise fail the version check
+            saved[index] = save_for_backward(forward, backward, fw_inputs[index], version_checked=False)
         return saved[index]
 
     for bucket in issued:

@@ -140,6 +140,22 @@ class Mixed(nn.Module):
         return self.head(torch.tanh(self.b(h)).float())
 
 
+class MaxNormEmbedding(nn.Module):
+    """`nn.Embedding(max_norm=...)`: the forward renormalises the rows it looks up, in place, in the
+    parameter itself (rows of norm ~8 at init, so it does). The rows are the same on every rank, so the
+    ranks stay equal; what the data change is their gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, WIDTH, max_norm=1.0)
+        self.body = mlp(2)
+        self.head = nn.Linear(WIDTH, OUT)
+        self.register_buffer("rows", torch.arange(0, 16, 2), persistent=False)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x) + self.emb(self.rows).mean(0)))
+
+
 def regression_data(rank: int, n: int, device: torch.device) -> list:
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
     return [

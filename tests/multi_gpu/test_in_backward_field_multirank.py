@@ -19,6 +19,7 @@ from tests.multi_gpu.field_models import (
     Branchy,
     Halve,
     Headed,
+    MaxNormEmbedding,
     Mixed,
     Regioned,
     aux_on_block_bias,
@@ -162,6 +163,7 @@ SCENARIOS = {
     "weight_decay_schedule_from_zero": lambda r: _step(
         r, _script(make_opt=adamw_no_decay, make_sched=DecayFromUpdate3)
     ),
+    "forward_writes_a_parameter": lambda r: _step(r, _script(make_model=MaxNormEmbedding, make_opt=adamw)),
 }
 
 
@@ -205,6 +207,7 @@ def _assert_in_backward(per_rank: list[dict], *, kept: int = 0) -> None:
         "regions_static_graph",
         "regions_accumulation",
         "regions_first_block_frozen",
+        "forward_writes_a_parameter",
     ],
 )
 def test_updates_inside_the_backward_like_the_eager_script(results, name):

@@ -21,6 +21,7 @@ from tests.multi_gpu.field_models import (
     Experts,
     Halve,
     Headed,
+    MaxNormEmbedding,
     Regioned,
     Stacked,
     aux_on_block_bias,
@@ -108,6 +109,7 @@ SCENARIOS = {
     "zero_grad_after_forward_accumulating": lambda r: _in_graph(r, _script(zero_grad_after_forward=True, accum=2)),
     "graph_break_no_sync_accumulation": lambda r: _in_graph(r, _script(make_model=BrokenHeaded, accum=2)),
     "gradient_hooks_clamp": lambda r: _in_graph(r, _script(setup=clamp_grad_hooks)),
+    "forward_writes_a_parameter": lambda r: _in_graph(r, _script(make_model=MaxNormEmbedding)),
     "rank_dependent_branch_split": lambda r: run_against_eager(
         _rank_branch_script(), r, how="compile", ddp="split", bucket_cap_mb=CAP_MB
     ),
@@ -303,6 +305,14 @@ def test_static_graph(results):
     per_rank = ok(results, "static_graph")
     assert_like_eager(per_rank)
     assert _reduced_in_graph(per_rank[0]["report"])
+
+
+def test_a_forward_that_writes_a_parameter_in_place(results):
+    """nn.Embedding(max_norm=...) renormalises its rows inside the forward; the gradient is still reduced
+    inside the backward, as eager DDP reduces it."""
+    per_rank = ok(results, "forward_writes_a_parameter")
+    assert_like_eager(per_rank)
+    assert "emb.weight" in _reduced_in_graph(per_rank[0]["report"])
 
 
 def test_gradient_as_bucket_view(results):

@@ -530,6 +530,38 @@ def test_a_forward_input_can_be_saved_for_the_backward():
         assert placeholder.name in bw.code
 
 
+@pytest.mark.parametrize("version_checked", [True, False])
+def test_an_input_saved_unchecked_reaches_the_backward_after_an_in_place_write(version_checked):
+    """What `optimizer_in_backward` relies on for the parameters it updates: saved unchecked, a tensor written
+    in place between the forward and the backward (as `nn.Embedding(max_norm=...)` writes its weight) still
+    reaches the backward; saved checked, autograd refuses it, as torch 2.13 does for any saved tensor."""
+    with canary("aot/torch_dynamo.py:save_for_backward(version_checked=False)"):
+        from functorch.compile import min_cut_rematerialization_partition
+
+        p = torch.randn(4)
+        w = torch.randn(4, requires_grad=True)
+
+        def partition(joint, joint_inputs, **kwargs):
+            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            live = next(n for n in fw.graph.nodes if n.op == "placeholder" and n.meta["val"].shape == (4,))
+            torch_dynamo.save_for_backward(fw, bw, live, version_checked=version_checked)
+            fw.recompile()
+            bw.recompile()
+            return fw, bw
+
+        backend = torch_dynamo.aot_autograd_backend(
+            fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward, partition_fn=partition
+        )
+        out = torch.compile(lambda x: (x + w).square().sum(), backend=backend)(p)  # saves x + w, not x
+        p.add_(1.0)  # the in-place write between the forward and the backward
+        if version_checked:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.backward()
+        else:
+            out.backward()
+            torch.testing.assert_close(w.grad, 2 * (p - 1.0 + w.detach()))
+
+
 def test_saved_tensors_pair_up_when_symbolic_sizes_are_saved_too():
     # The forward returns saved tensors then saved sizes; the backward takes the sizes first.
     with canary("aot/torch_dynamo.py:save_for_backward"):
