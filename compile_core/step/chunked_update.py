@@ -28,7 +28,8 @@ Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW, as `compile_core/st
     loads them; update 1 compiles only a chunk whose real key differs. A rank that never waits (a warm
     start) compiles at update 1 as before.
   * clipping (`clip_grad_norm_` over all gradients) is its own compiled function, called first;
-  * a parameter without a gradient has no optimizer state (unused so far, `find_unused_parameters`):
+  * a parameter without a gradient has no optimizer state (unused so far, `find_unused_parameters`, or
+    frozen so far: chunks hold every parameter of a group, `requires_grad` or not, as torch's step does):
     the update in which one first has a gradient runs `optimizer.step()` eagerly, which creates its
     state as torch does. A chunk updates the parameters that have a gradient, as torch's step skips
     the others: it is compiled for the set it has (a pooler that never gets a gradient leaves the rest
@@ -386,7 +387,9 @@ class ChunkedUpdate:
 def _plan_chunks(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[_Chunk]:
     chunks: list[_Chunk] = []
     for index, group in enumerate(optimizer.param_groups):
-        params = [p for p in group["params"] if p.requires_grad]
+        # Every parameter of the group, frozen ones too: torch's step updates whatever has a gradient when
+        # it runs, and a parameter frozen now may be unfrozen later (gradual unfreezing in fine-tuning).
+        params = list(group["params"])
         infos = [
             ParamInfo(
                 name=names.get(id(p), f"param{i}"), nbytes=p.numel() * p.element_size(), key=f"{p.dtype}/{p.device}"

@@ -156,6 +156,24 @@ class MaxNormEmbedding(nn.Module):
         return self.head(torch.tanh(self.body(x) + self.emb(self.rows).mean(0)))
 
 
+FROZEN_UNTIL = ("body.0.weight", "body.0.bias")
+"""The first layer of `frozen_until_update_3`: frozen when DDP is built, so DDP never reduces it."""
+
+
+def frozen_until_update_3() -> Headed:
+    """Gradual unfreezing: the first layer is frozen when DDP and the optimizer are built (it is in the
+    optimizer) and trains from update 3 on (`unfreeze_at_update_3`); torch's step updates it from then on."""
+    model = Headed()
+    for p in model.body[0].parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def unfreeze_at_update_3(model: nn.Module, micro_batch: int) -> None:
+    for p in model.body[0].parameters():
+        p.requires_grad_(micro_batch >= 2)
+
+
 def regression_data(rank: int, n: int, device: torch.device) -> list:
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
     return [

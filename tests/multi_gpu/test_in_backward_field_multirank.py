@@ -16,6 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from tests.multi_gpu.ddp_compare import ok, run_scenarios
 from tests.multi_gpu.field_models import (
+    FROZEN_UNTIL,
     Branchy,
     Halve,
     Headed,
@@ -25,10 +26,12 @@ from tests.multi_gpu.field_models import (
     aux_on_block_bias,
     aux_on_head_bias,
     clamp_grad_hooks,
+    frozen_until_update_3,
     halve_hook,
     last_batch_smaller,
     regioned_first_block_frozen,
     regression_data,
+    unfreeze_at_update_3,
 )
 from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
 from tests.ranks import run_ranks
@@ -164,6 +167,9 @@ SCENARIOS = {
         r, _script(make_opt=adamw_no_decay, make_sched=DecayFromUpdate3)
     ),
     "forward_writes_a_parameter": lambda r: _step(r, _script(make_model=MaxNormEmbedding, make_opt=adamw)),
+    "unfrozen_at_update_3": lambda r: _step(
+        r, _script(make_model=frozen_until_update_3, before_step=unfreeze_at_update_3, make_opt=sgd_momentum_foreach)
+    ),
 }
 
 
@@ -324,3 +330,14 @@ def test_clipping_takes_the_global_norm_inside_the_backward_and_changes_the_upda
     for r, u in zip(per_rank, unclipped):
         differs = [n for n in r["params"] if (r["params"][n] - u["ref"][n]).abs().max() > 1e-3]
         assert differs, "clipping changed nothing: the test would not see a wrong norm"
+
+
+def test_a_layer_unfrozen_after_update_2_is_updated_from_its_local_gradient(results):
+    """Gradual unfreezing: DDP was built with the layer frozen, so it never reduces it (eager neither); from
+    its first gradient it is updated like the eager script."""
+    per_rank = ok(results, "unfrozen_at_update_3")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6, not_reduced=FROZEN_UNTIL)
+    for r in per_rank:
+        assert _iob(r)["active"], _iob(r)
+        for name in FROZEN_UNTIL:
+            assert not r["params"][name].equal(r["initial"][name]), f"{name} was never updated"

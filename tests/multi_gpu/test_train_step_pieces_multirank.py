@@ -29,7 +29,13 @@ from tests.multi_gpu.ddp_compare import (
     snapshot,
     update_rel_err,
 )
-from tests.multi_gpu.field_models import Branchy, regression_data
+from tests.multi_gpu.field_models import (
+    FROZEN_UNTIL,
+    Branchy,
+    frozen_until_update_3,
+    regression_data,
+    unfreeze_at_update_3,
+)
 from tests.multi_gpu.models import step_data, step_model
 from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
 from tests.ranks import run_ranks, to_rank_device, wrap_ddp
@@ -151,6 +157,26 @@ SCENARIOS = {
         how="train_step",
         bucket_cap_mb=CAP_MB,
     ),
+    **{
+        f"adamw_unfrozen_at_update_3_{mode}": (
+            lambda mode: (
+                lambda rank: run_against_eager(
+                    Script(
+                        make_model=frozen_until_update_3,
+                        data=regression_data,
+                        steps=4,
+                        before_step=unfreeze_at_update_3,
+                        make_opt=lambda m: OPTIMIZERS["adamw"](m.parameters()),
+                    ),
+                    rank,
+                    how="train_step",
+                    ddp=mode,
+                    bucket_cap_mb=CAP_MB,
+                )
+            )
+        )(mode)
+        for mode in ("split", "in_graph")
+    },
 }
 
 
@@ -241,3 +267,15 @@ def test_a_parameter_that_never_gets_a_gradient_leaves_the_optimizer_update_comp
         optimizer = r["report"]["optimizer"]
         assert optimizer["compiled"] and optimizer["fallback_error"] is None, optimizer
         assert r["params"]["extra.weight"].equal(r["initial"]["extra.weight"])
+
+
+@pytest.mark.parametrize("mode", ["split", "in_graph"])
+def test_a_layer_unfrozen_after_update_2_is_updated_as_torch_updates_it(results, mode):
+    """Gradual unfreezing: a layer frozen when DDP and the optimizer were built trains from update 3 on;
+    the compiled update used to leave it where it was, silently (it planned its chunks from the parameters
+    that required grad at update 1). DDP never reduces it (it was frozen when DDP was built), in eager too."""
+    per_rank = ok(results, f"adamw_unfrozen_at_update_3_{mode}")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6, not_reduced=FROZEN_UNTIL)
+    for r in per_rank:
+        for name in FROZEN_UNTIL:
+            assert not r["params"][name].equal(r["initial"][name]), f"{name} was never updated"
