@@ -189,6 +189,7 @@ class TrainStep:
 
     def _apply_update(self) -> None:
         index = self._updates + 1
+        self._follow_param_groups()
         controller = self._in_backward
         if controller is not None and controller.applied():
             norm = controller.updates.norm
@@ -217,6 +218,24 @@ class TrainStep:
             type(self.optimizer).__name__,
             self._update_mode(),
         )
+
+    def _follow_param_groups(self) -> None:
+        """A param group added since the update was built (`optimizer.add_param_group`, as Lightning's
+        fine-tuning callbacks unfreeze a backbone): an update built for the old groups would never step
+        its parameters. The update is built again; their first update is torch's own step, which creates
+        their state."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(params) == len(self._params) and all(a is b for a, b in zip(params, self._params)):
+            return
+        self._params = params
+        if self._update is not None:
+            logger.info(
+                "train_step: the optimizer now has %d param group(s) and %d parameter(s); its update is built again",
+                len(self.optimizer.param_groups),
+                len(params),
+            )
+            self._update = None
+            self._pins.uninstall()
 
     def _update_mode(self) -> str:
         if self._in_backward is not None and self._in_backward.active:

@@ -174,6 +174,16 @@ def unfreeze_at_update_3(model: nn.Module, micro_batch: int) -> None:
         p.requires_grad_(micro_batch >= 2)
 
 
+def add_group_at_update_3(model: nn.Module, opt: torch.optim.Optimizer, micro_batch: int) -> None:
+    """Lightning's fine-tuning callbacks unfreeze a backbone by adding it to the optimizer as a new param
+    group (with its own lr) at some epoch: here the frozen first layer of `frozen_until_update_3`."""
+    if micro_batch == 2:
+        params = list(model.body[0].parameters())
+        for p in params:
+            p.requires_grad_(True)
+        opt.add_param_group({"params": params, "lr": opt.param_groups[0]["lr"] * 0.3})
+
+
 def regression_data(rank: int, n: int, device: torch.device) -> list:
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
     return [

@@ -23,6 +23,7 @@ from tests.multi_gpu.field_models import (
     MaxNormEmbedding,
     Mixed,
     Regioned,
+    add_group_at_update_3,
     aux_on_block_bias,
     aux_on_head_bias,
     clamp_grad_hooks,
@@ -167,6 +168,14 @@ SCENARIOS = {
         r, _script(make_opt=adamw_no_decay, make_sched=DecayFromUpdate3)
     ),
     "forward_writes_a_parameter": lambda r: _step(r, _script(make_model=MaxNormEmbedding, make_opt=adamw)),
+    "group_added_at_update_3": lambda r: _step(
+        r,
+        _script(
+            make_model=frozen_until_update_3,
+            before_step_opt=add_group_at_update_3,
+            make_opt=lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, momentum=0.9),
+        ),
+    ),
     "unfrozen_at_update_3": lambda r: _step(
         r, _script(make_model=frozen_until_update_3, before_step=unfreeze_at_update_3, make_opt=sgd_momentum_foreach)
     ),
@@ -339,5 +348,16 @@ def test_a_layer_unfrozen_after_update_2_is_updated_from_its_local_gradient(resu
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6, not_reduced=FROZEN_UNTIL)
     for r in per_rank:
         assert _iob(r)["active"], _iob(r)
+        for name in FROZEN_UNTIL:
+            assert not r["params"][name].equal(r["initial"][name]), f"{name} was never updated"
+
+
+def test_a_param_group_added_after_update_2_is_updated_with_its_own_lr(results):
+    """`optimizer.add_param_group` at update 3 (a backbone unfrozen by a fine-tuning callback): the new
+    group's parameters are stepped like the eager script, the others keep updating inside the backward."""
+    per_rank = ok(results, "group_added_at_update_3")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6, not_reduced=FROZEN_UNTIL)
+    for r in per_rank:
+        assert _iob(r)["active"] and _iob(r)["updates_in_backward"] == UPDATES - 1, _iob(r)
         for name in FROZEN_UNTIL:
             assert not r["params"][name].equal(r["initial"][name]), f"{name} was never updated"

@@ -32,6 +32,7 @@ from tests.multi_gpu.ddp_compare import (
 from tests.multi_gpu.field_models import (
     FROZEN_UNTIL,
     Branchy,
+    add_group_at_update_3,
     frozen_until_update_3,
     regression_data,
     unfreeze_at_update_3,
@@ -177,6 +178,26 @@ SCENARIOS = {
         )(mode)
         for mode in ("split", "in_graph")
     },
+    **{
+        f"adamw_group_added_at_update_3_{mode}": (
+            lambda mode: (
+                lambda rank: run_against_eager(
+                    Script(
+                        make_model=frozen_until_update_3,
+                        data=regression_data,
+                        steps=4,
+                        before_step_opt=add_group_at_update_3,
+                        make_opt=lambda m: OPTIMIZERS["adamw"]([p for p in m.parameters() if p.requires_grad]),
+                    ),
+                    rank,
+                    how="train_step",
+                    ddp=mode,
+                    bucket_cap_mb=CAP_MB,
+                )
+            )
+        )(mode)
+        for mode in ("split", "in_graph")
+    },
 }
 
 
@@ -277,5 +298,17 @@ def test_a_layer_unfrozen_after_update_2_is_updated_as_torch_updates_it(results,
     per_rank = ok(results, f"adamw_unfrozen_at_update_3_{mode}")
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6, not_reduced=FROZEN_UNTIL)
     for r in per_rank:
+        for name in FROZEN_UNTIL:
+            assert not r["params"][name].equal(r["initial"][name]), f"{name} was never updated"
+
+
+@pytest.mark.parametrize("mode", ["split", "in_graph"])
+def test_a_param_group_added_after_update_2_is_updated_with_its_own_lr(results, mode):
+    """`optimizer.add_param_group` (Lightning's BackboneFinetuning unfreezes so) at update 3: the compiled
+    update built for the first group must step the new one too, with the new group's lr."""
+    per_rank = ok(results, f"adamw_group_added_at_update_3_{mode}")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6, not_reduced=FROZEN_UNTIL)
+    for r in per_rank:
+        assert len(r["param_groups"]) == 2 and r["param_groups"][1]["lr"] != r["param_groups"][0]["lr"]
         for name in FROZEN_UNTIL:
             assert not r["params"][name].equal(r["initial"][name]), f"{name} was never updated"

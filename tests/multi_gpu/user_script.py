@@ -67,6 +67,8 @@ class Script:
     """A process group for DDP (a subgroup of the world); None = the default group."""
     zero_grad_after_forward: bool = False
     """Zero the gradients between the forward and the backward (Lightning's order) instead of after the step."""
+    before_step_opt: Callable[[nn.Module, torch.optim.Optimizer, int], None] | None = None
+    """Called with the inner module and the optimizer before each micro-batch (e.g. add a param group)."""
 
 
 def _build(script: Script, device: torch.device) -> tuple[nn.Module, nn.Module, dict]:
@@ -98,6 +100,8 @@ def _eager_loop(script: Script, ddp: DDP, data: list[Batch]) -> dict:
     for i, (inputs, target) in enumerate(data):
         if script.before_step:
             script.before_step(module, i)
+        if script.before_step_opt:
+            script.before_step_opt(module, opt, i)
         last = (i + 1) % script.accum == 0
         with ddp.no_sync() if not last else contextlib.nullcontext():
             loss = script.loss(ddp(*inputs), target, module, i)
@@ -127,6 +131,8 @@ def _compile_loop(script: Script, ddp: DDP, data: list[Batch], kwargs: dict) -> 
     for i, (inputs, target) in enumerate(data):
         if script.before_step:
             script.before_step(module, i)
+        if script.before_step_opt:
+            script.before_step_opt(module, opt, i)
         last = (i + 1) % script.accum == 0
         with ddp.no_sync() if not last else contextlib.nullcontext():
             loss = script.loss(compiled(*inputs), target, module, i)
@@ -164,6 +170,8 @@ def _train_step_loop(script: Script, ddp: DDP, data: list[Batch], kwargs: dict) 
         index["i"] = i
         if script.before_step:
             script.before_step(module, i)
+        if script.before_step_opt:
+            script.before_step_opt(module, opt, i)
         losses.append(step(*inputs, target).item())
         if step.applied:
             grads_after_update.append(sorted(n for n, p in module.named_parameters() if p.grad is not None))
