@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -135,6 +136,19 @@ def _scenario(
     return out
 
 
+def _unfreezing(rank: int, *, pattern: str, mode: str) -> dict:
+    """The first layer, frozen when DDP and the optimizer are built, trains from update 3 on: `unfrozen` in
+    place (it is in the optimizer from the start), or `group_added` as a new param group then."""
+    if pattern == "unfrozen":
+        hooks = {"before_step": unfreeze_at_update_3}
+        make_opt = lambda m: OPTIMIZERS["adamw"](m.parameters())  # noqa: E731
+    else:
+        hooks = {"before_step_opt": add_group_at_update_3}
+        make_opt = lambda m: OPTIMIZERS["adamw"]([p for p in m.parameters() if p.requires_grad])  # noqa: E731
+    script = Script(make_model=frozen_until_update_3, data=regression_data, steps=4, make_opt=make_opt, **hooks)
+    return run_against_eager(script, rank, how="train_step", ddp=mode, bucket_cap_mb=CAP_MB)
+
+
 SCENARIOS = {
     "sgd": lambda rank: _scenario(rank, opt="sgd"),
     "sgd_accum2_clip": lambda rank: _scenario(rank, opt="sgd", accum=2, clip=CLIP),
@@ -159,43 +173,8 @@ SCENARIOS = {
         bucket_cap_mb=CAP_MB,
     ),
     **{
-        f"adamw_unfrozen_at_update_3_{mode}": (
-            lambda mode: (
-                lambda rank: run_against_eager(
-                    Script(
-                        make_model=frozen_until_update_3,
-                        data=regression_data,
-                        steps=4,
-                        before_step=unfreeze_at_update_3,
-                        make_opt=lambda m: OPTIMIZERS["adamw"](m.parameters()),
-                    ),
-                    rank,
-                    how="train_step",
-                    ddp=mode,
-                    bucket_cap_mb=CAP_MB,
-                )
-            )
-        )(mode)
-        for mode in ("split", "in_graph")
-    },
-    **{
-        f"adamw_group_added_at_update_3_{mode}": (
-            lambda mode: (
-                lambda rank: run_against_eager(
-                    Script(
-                        make_model=frozen_until_update_3,
-                        data=regression_data,
-                        steps=4,
-                        before_step_opt=add_group_at_update_3,
-                        make_opt=lambda m: OPTIMIZERS["adamw"]([p for p in m.parameters() if p.requires_grad]),
-                    ),
-                    rank,
-                    how="train_step",
-                    ddp=mode,
-                    bucket_cap_mb=CAP_MB,
-                )
-            )
-        )(mode)
+        f"adamw_{pattern}_at_update_3_{mode}": functools.partial(_unfreezing, pattern=pattern, mode=mode)
+        for pattern in ("unfrozen", "group_added")
         for mode in ("split", "in_graph")
     },
 }
