@@ -129,7 +129,7 @@ class TrainStep:
                 optimizer,
                 self.compiled_model.in_graph,
                 clip_max_norm=config.clip_grad_norm,
-                blocker=config.in_backward_blocker(grad_scaler=grad_scaler is not None),
+                blocker=config.in_backward_blocker(grad_scaler=grad_scaler is not None, device_type=self._device_type),
                 compile_kernel=self._compile_update_kernel,
             )
             if self._in_backward.reason is not None:
