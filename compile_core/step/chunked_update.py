@@ -103,6 +103,7 @@ class ChunkedUpdate:
         self._clip: Callable[[], Any] | None = None
         self._calls = 0
         self._stateless: list[torch.Tensor] = []  # parameters with no optimizer state yet (no gradient so far)
+        self._state_seen: tuple[int, int] = (0, 0)  # (id, len) of `optimizer.state` after the last update
         # Claims only (no reuse here: Dynamo's cache per chunk signature does that): with Inductor,
         # the ranks of a node compile different chunks and load the others' (Note [Compile once]).
         self._once = CompileOnce(reuse=False, claims=claims, records=[], lock=threading.Lock()) if claims else None
@@ -133,12 +134,13 @@ class ChunkedUpdate:
             except DynamoError as err:  # nothing compiled ran on real tensors: update 1 stands
                 self.failure = err
         elif self._gains_state():
-            # A parameter has its first gradient: torch's own step creates its state (as in update 1).
+            # A parameter has its first gradient, or lost its state: torch's own step creates it (as in update 1).
             norm = self._eager(update_index)
             self._stateless = self._without_state()
         else:
             norm = self._compiled_update()
         self._calls += 1
+        self._state_seen = (id(self.optimizer.state), len(self.optimizer.state))
         return norm
 
     def _compiled_update(self) -> torch.Tensor | None:
@@ -185,7 +187,16 @@ class ChunkedUpdate:
 
     def _gains_state(self) -> bool:
         """Whether a parameter that has no optimizer state yet (it had no gradient so far) has one now:
-        the functional update cannot create state, `optimizer.step()` does."""
+        the functional update cannot create state, `optimizer.step()` does.
+
+        The user may also drop state between updates: `optimizer.state.clear()`, `del optimizer.state[p]`,
+        or `load_state_dict` of a checkpoint that lacks some parameters (a new `state` object). torch's
+        step then starts those parameters afresh (step 0, zero moments), so the stateless set is
+        recomputed whenever the state mapping was replaced or shrank."""
+        state = self.optimizer.state
+        seen_id, seen_len = self._state_seen
+        if id(state) != seen_id or len(state) < seen_len:
+            self._stateless = self._without_state()
         return any(p.grad is not None for p in self._stateless)
 
     def _key(self, chunk: _Chunk, present: list[torch.nn.Parameter]) -> tuple[tuple, tuple]:

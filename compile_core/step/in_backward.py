@@ -104,6 +104,8 @@ class OptimizerInBackward:
         self._group_of: dict[int, int] = {}
         self._baked: list[tuple] = []
         self._rows: dict[int, torch.Tensor] = {}  # per parameter: this update's scalars (optim_math)
+        self._with_state: list[torch.nn.Parameter] = []  # the parameters that had optimizer state at `prepare`
+        self._state_seen: tuple[int, int] = (0, 0)  # (id, len) of `optimizer.state` when last looked at
 
     def prepare(self) -> None:
         """Capture one template per (group, dtype, device) that has a parameter with optimizer state
@@ -115,7 +117,25 @@ class OptimizerInBackward:
                 key = (index, p.dtype, p.device)
                 if key not in self._templates and self._ready(p, group):
                     self._templates[key] = self._capture(group, p)
+        self._with_state = [p for g in self.optimizer.param_groups for p in g["params"] if self._ready(p, g)]
+        self._state_seen = (id(self.optimizer.state), len(self.optimizer.state))
         self.refresh()
+
+    def lost_state(self) -> list[torch.nn.Parameter]:
+        """The parameters that had optimizer state at `prepare` and have none now: the user cleared it
+        (`optimizer.state.clear()`, `del optimizer.state[p]`) or loaded a checkpoint without it
+        (`load_state_dict`, which replaces the mapping). Their update must create it, as torch's step does
+        (step 0, zero moments); the compiled backward reads it. A dict lookup per update while the mapping
+        is the same and did not shrink."""
+        state = self.optimizer.state
+        seen_id, seen_len = self._state_seen
+        if id(state) == seen_id and len(state) >= seen_len:
+            return []
+        groups = self.optimizer.param_groups
+        lost = [p for p in self._with_state if not self._ready(p, groups[self._group_of[id(p)]])]
+        if not lost:
+            self._state_seen = (id(state), len(state))
+        return lost
 
     def refresh(self) -> None:
         """This update's scalars for every parameter that has an update (before its forward)."""
@@ -304,117 +324,3 @@ def _update_function(optimizer: torch.optim.Optimizer, group: dict, state_keys: 
         )
 
     return update_adam
-
-
-class InBackwardController:
-    """When `train_step` updates inside the backward, and why not when it does not (see the Note)."""
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        reducer: Any,
-        *,
-        clip_max_norm: float | None,
-        blocker: str | None = None,
-        compile_kernel: Callable[[Callable[..., None]], Callable[..., None]] | None = None,
-    ) -> None:
-        self.reducer = reducer
-        self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm, compile_kernel=compile_kernel)
-        self.reason: str | None = blocker or support(optimizer)
-        """Why updates are not (or no longer) inside the backward; None while they are or may be."""
-        self.from_update: int | None = None
-        """First update applied inside the backward."""
-        self.updates_in_backward = 0
-        """Updates applied inside the backward so far."""
-
-    @property
-    def active(self) -> bool:
-        return self.reducer.updates is not None
-
-    def before_sync_step(self) -> None:
-        """Before the forward of a micro-batch that will update: stale templates switch us off; the
-        scalars of this update (step counts, schedules) are computed."""
-        if self.active:
-            changed = self.updates.changed_hyperparameters()
-            if changed is not None:
-                self._stop(changed)
-            else:
-                self.updates.refresh()
-
-    def eager_first_update(self, ddp: Any) -> bool:
-        """Whether update 1 (forward, backward, step) can run as eager DDP: it only creates the optimizer
-        state and shows what reaches the gradients, and compiling its variant of the graph (the backward
-        that reduces without updating) would serve that one step. Not with clipping (the update needs to
-        know every parameter reduced after the backward, learnt from a compiled step) nor static_graph
-        (DDP's reducer would see one active step, then idle ones)."""
-        return (
-            self.reason is None
-            and not self.active
-            and self.updates.clip_max_norm is None
-            and not getattr(ddp, "static_graph", False)
-        )
-
-    def after_update(
-        self, index: int, *, before_prepare: Callable[[], None] = lambda: None, ran_eagerly: bool = False
-    ) -> None:
-        """After update `index` ran the normal path: switch to in-backward updates when it can. After an
-        eager step the compiled graphs are not known yet: each graph's compile decides (a graph break,
-        no state: no update in that graph) and `applied()` switches off if none updated."""
-        if self.reason is not None or self.active:
-            return
-        self.reason = self._blocker(compiled=not ran_eagerly)
-        if self.reason is not None:
-            return
-        before_prepare()
-        self.updates.prepare()
-        self.reducer.updates = self.updates
-        self.from_update = index + 1
-
-    def _blocker(self, *, compiled: bool = True) -> str | None:
-        """Why the model, as the first update showed it, cannot update inside its backward."""
-        reducer = self.reducer
-        if not reducer.reduction.in_graph:
-            return f"the compiled backward does not reduce: {reducer.reduction.reason}"
-        if not compiled:
-            return None
-        if reducer.graphs_last_step != 1:
-            return (
-                f"the model ran as {reducer.graphs_last_step} compiled graph(s); updates inside the backward "
-                "need the model in one graph"
-            )
-        after = sorted(set(reducer.last_leftovers))
-        if self.updates.clip_max_norm is not None and (after or reducer.ignored):
-            kept = after or sorted(reducer.ignored)
-            return (
-                f"clipping needs the global norm of every gradient inside the backward, but {kept[:5]} "
-                "are reduced after it (or not reduced: ignored by DDP)"
-            )
-        return None
-
-    def applied(self) -> bool:
-        """Whether the backward just run updated the parameters (then the optimizer step is skipped)."""
-        if not self.active:
-            return False
-        if self.reducer.updated_in_backward:
-            self.updates_in_backward += 1
-            return True
-        self._stop(self.reducer.update_blocker or "the compiled graph did not update the parameters")
-        return False
-
-    def _stop(self, reason: str) -> None:
-        self.reason = reason
-        self.reducer.updates = None
-
-    def to_dict(self, requested: bool) -> dict[str, Any]:
-        return {
-            "requested": requested,
-            "active": self.active,
-            "from_update": self.from_update,
-            "updates_in_backward": self.updates_in_backward,
-            "grads_kept_last_backward": self.reducer.grads_kept,
-            "not_updated_in_backward": list(self.reducer.not_updated),
-            "clip": None
-            if self.updates.clip_max_norm is None
-            else "global norm of all reduced gradients, after the last all-reduce, inside the backward",
-            "reason": self.reason,
-        }

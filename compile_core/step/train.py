@@ -64,7 +64,7 @@ from compile_core.step.checks import NO_TARGET, check_inputs, check_loss, split_
 from compile_core.step.chunked_update import ChunkedUpdate
 from compile_core.step.config import TrainStepConfig
 from compile_core.step.hyperparams import HyperparamPins
-from compile_core.step.in_backward import InBackwardController
+from compile_core.step.in_backward_controller import InBackwardController
 from compile_core.step.report import OptimizerReport, TrainStepReport
 from compile_core.step.update import CompiledUpdate, chunking_blocker, clip_and_step
 from ddp.in_graph.probe import eager_outside_producers
@@ -142,7 +142,7 @@ class TrainStep:
         beat()  # progress, for a launcher watching for hangs (launch/heartbeat.py)
         sync = self.pending_micro_batches == self.config.accum_steps - 1
         if sync and self._in_backward is not None:
-            self._in_backward.before_sync_step()  # this update's scalars (the scheduler's lr, betas)
+            self._in_backward.before_sync_step(self._updates + 1)  # this update's scalars (the scheduler's lr, betas)
         if self._micro_batches == 0:
             self._offer_update_compile()
         loss = self._forward_backward(inputs, target, sync=sync)

@@ -6,6 +6,8 @@ joins late or leaves, experts switched per step, eager code at a graph break, a 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -182,6 +184,32 @@ def add_group_at_update_3(model: nn.Module, opt: torch.optim.Optimizer, micro_ba
         for p in params:
             p.requires_grad_(True)
         opt.add_param_group({"params": params, "lr": opt.param_groups[0]["lr"] * 0.3})
+
+
+LOSES_STATE = ("head.weight", "head.bias")
+"""The parameters whose optimizer state `load_checkpoint_without_head_state_at_update_3` drops."""
+
+
+def clear_optimizer_state_at_update_3(model: nn.Module, opt: torch.optim.Optimizer, micro_batch: int) -> None:
+    """A script that resets its optimizer between phases (`optimizer.state.clear()`): torch's next step
+    starts every parameter afresh (step 0, zero moments)."""
+    if micro_batch == 2:
+        opt.state.clear()
+
+
+def load_checkpoint_without_head_state_at_update_3(
+    model: nn.Module, opt: torch.optim.Optimizer, micro_batch: int
+) -> None:
+    """Resuming from an optimizer checkpoint saved before the head was replaced: the loaded state
+    (`load_state_dict`, a new state mapping) has no entries for the head, which starts afresh."""
+    if micro_batch == 2:
+        checkpoint = copy.deepcopy(opt.state_dict())
+        head = {id(p) for n, p in model.named_parameters() if n in LOSES_STATE}
+        order = [p for g in opt.param_groups for p in g["params"]]
+        for index, p in enumerate(order):
+            if id(p) in head:
+                checkpoint["state"].pop(index, None)
+        opt.load_state_dict(checkpoint)
 
 
 def regression_data(rank: int, n: int, device: torch.device) -> list:

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import copy
 import functools
+from typing import Callable
 
 import pytest
 import torch
@@ -33,8 +34,11 @@ from tests.multi_gpu.ddp_compare import (
 from tests.multi_gpu.field_models import (
     FROZEN_UNTIL,
     Branchy,
+    Headed,
     add_group_at_update_3,
+    clear_optimizer_state_at_update_3,
     frozen_until_update_3,
+    load_checkpoint_without_head_state_at_update_3,
     regression_data,
     unfreeze_at_update_3,
 )
@@ -149,6 +153,13 @@ def _unfreezing(rank: int, *, pattern: str, mode: str) -> dict:
     return run_against_eager(script, rank, how="train_step", ddp=mode, bucket_cap_mb=CAP_MB)
 
 
+def _losing_state(rank: int, *, lose: Callable, mode: str) -> dict:
+    """AdamW loses optimizer state before update 3 (`lose`: cleared, or a checkpoint without some loaded)."""
+    make_opt = lambda m: OPTIMIZERS["adamw"](m.parameters())  # noqa: E731
+    script = Script(make_model=Headed, data=regression_data, steps=4, make_opt=make_opt, before_step_opt=lose)
+    return run_against_eager(script, rank, how="train_step", ddp=mode, bucket_cap_mb=CAP_MB)
+
+
 SCENARIOS = {
     "sgd": lambda rank: _scenario(rank, opt="sgd"),
     "sgd_accum2_clip": lambda rank: _scenario(rank, opt="sgd", accum=2, clip=CLIP),
@@ -175,6 +186,14 @@ SCENARIOS = {
     **{
         f"adamw_{pattern}_at_update_3_{mode}": functools.partial(_unfreezing, pattern=pattern, mode=mode)
         for pattern in ("unfrozen", "group_added")
+        for mode in ("split", "in_graph")
+    },
+    **{
+        f"adamw_{name}_at_update_3_{mode}": functools.partial(_losing_state, lose=lose, mode=mode)
+        for name, lose in (
+            ("state_cleared", clear_optimizer_state_at_update_3),
+            ("checkpoint_without_head_state", load_checkpoint_without_head_state_at_update_3),
+        )
         for mode in ("split", "in_graph")
     },
 }
@@ -291,3 +310,16 @@ def test_a_param_group_added_after_update_2_is_updated_with_its_own_lr(results, 
         assert len(r["param_groups"]) == 2 and r["param_groups"][1]["lr"] != r["param_groups"][0]["lr"]
         for name in FROZEN_UNTIL:
             assert not r["params"][name].equal(r["initial"][name]), f"{name} was never updated"
+
+
+@pytest.mark.parametrize("mode", ["split", "in_graph"])
+@pytest.mark.parametrize("name", ["state_cleared", "checkpoint_without_head_state"])
+def test_optimizer_state_lost_before_update_3_is_recreated_as_torch_recreates_it(results, name, mode):
+    """`optimizer.state.clear()`, or `load_state_dict` of a checkpoint without the head's state, before
+    update 3: torch's step starts those parameters afresh; the compiled update read their old state
+    (KeyError 'step') and must let torch's step create it first."""
+    per_rank = ok(results, f"adamw_{name}_at_update_3_{mode}")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    for r in per_rank:
+        optimizer = r["report"]["optimizer"]
+        assert optimizer["compiled"] and optimizer["fallback_error"] is None, optimizer

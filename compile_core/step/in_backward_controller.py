@@ -1,0 +1,156 @@
+"""When `train_step` updates inside the backward, and why not when it does not (`InBackwardController`).
+
+The optimizer side (which optimizers, the update math as graphs, their inputs) is
+compile_core/step/in_backward.py, whose Note [Optimizer update inside the backward] this follows.
+Besides switching on after update 1 and off for good when the model or the optimizer no longer fits,
+the controller restarts the in-backward updates when optimizer state the compiled backward reads has
+gone (`optimizer.state.clear()`, a `load_state_dict` without some parameters): that update's backward
+is the compiled variant that only reduces (compiled then, once, if update 1 ran eagerly: eager DDP is
+no option any more, DDP's reducer was released after the first compiled step), torch's own step
+recreates the state after it, and the updates return into the backward from the next update on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from compile_core.step.in_backward import OptimizerInBackward, support
+
+logger = logging.getLogger(__name__)
+
+
+class InBackwardController:
+    """When `train_step` updates inside the backward, and why not when it does not (see the Note)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        reducer: Any,
+        *,
+        clip_max_norm: float | None,
+        blocker: str | None = None,
+        compile_kernel: Callable[[Callable[..., None]], Callable[..., None]] | None = None,
+    ) -> None:
+        self.reducer = reducer
+        self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm, compile_kernel=compile_kernel)
+        self.reason: str | None = blocker or support(optimizer)
+        """Why updates are not (or no longer) inside the backward; None while they are or may be."""
+        self.from_update: int | None = None
+        """First update applied inside the backward."""
+        self.updates_in_backward = 0
+        """Updates applied inside the backward so far."""
+        self.restarted_at: list[int] = []
+        """Updates that recreated lost optimizer state on the normal path (see the module doc)."""
+
+    @property
+    def active(self) -> bool:
+        return self.reducer.updates is not None
+
+    def before_sync_step(self, index: int) -> None:
+        """Before the forward of the micro-batch of update `index` that will update: stale templates
+        switch us off; lost optimizer state pauses us for this update; else this update's scalars (step
+        counts, schedules) are computed."""
+        if not self.active:
+            return
+        changed = self.updates.changed_hyperparameters()
+        if changed is not None:
+            self._stop(changed)
+        elif not self._paused_for_lost_state(index):
+            self.updates.refresh()
+
+    def _paused_for_lost_state(self, index: int) -> bool:
+        lost = self.updates.lost_state()
+        if not lost:
+            return False
+        self.reducer.updates = None  # `after_update` switches back on
+        self.restarted_at.append(index)
+        logger.warning(
+            "train_step: %d parameter(s) lost their optimizer state before update %d (cleared, or a checkpoint "
+            "without it was loaded); torch's step recreates it in this update, the backward updates again after it",
+            len(lost),
+            index,
+        )
+        return True
+
+    def eager_first_update(self, ddp: Any) -> bool:
+        """Whether update 1 (forward, backward, step) can run as eager DDP: it only creates the optimizer
+        state and shows what reaches the gradients, and compiling its variant of the graph (the backward
+        that reduces without updating) would serve that one step. Not with clipping (the update needs to
+        know every parameter reduced after the backward, learnt from a compiled step) nor static_graph
+        (DDP's reducer would see one active step, then idle ones)."""
+        return (
+            self.reason is None
+            and not self.active
+            and self.updates.clip_max_norm is None
+            and not getattr(ddp, "static_graph", False)
+        )
+
+    def after_update(
+        self, index: int, *, before_prepare: Callable[[], None] = lambda: None, ran_eagerly: bool = False
+    ) -> None:
+        """After update `index` ran the normal path: switch to in-backward updates when it can. After an
+        eager step the compiled graphs are not known yet: each graph's compile decides (a graph break,
+        no state: no update in that graph) and `applied()` switches off if none updated."""
+        if self.reason is not None or self.active:
+            return
+        self.reason = self._blocker(compiled=not ran_eagerly)
+        if self.reason is not None:
+            return
+        before_prepare()
+        self.updates.prepare()
+        self.reducer.updates = self.updates
+        if self.from_update is None:
+            self.from_update = index + 1
+
+    def _blocker(self, *, compiled: bool = True) -> str | None:
+        """Why the model, as the first update showed it, cannot update inside its backward."""
+        reducer = self.reducer
+        if not reducer.reduction.in_graph:
+            return f"the compiled backward does not reduce: {reducer.reduction.reason}"
+        if not compiled:
+            return None
+        if reducer.graphs_last_step != 1:
+            return (
+                f"the model ran as {reducer.graphs_last_step} compiled graph(s); updates inside the backward "
+                "need the model in one graph"
+            )
+        after = sorted(set(reducer.last_leftovers))
+        if self.updates.clip_max_norm is not None and (after or reducer.ignored):
+            kept = after or sorted(reducer.ignored)
+            return (
+                f"clipping needs the global norm of every gradient inside the backward, but {kept[:5]} "
+                "are reduced after it (or not reduced: ignored by DDP)"
+            )
+        return None
+
+    def applied(self) -> bool:
+        """Whether the backward just run updated the parameters (then the optimizer step is skipped)."""
+        if not self.active:
+            return False
+        if self.reducer.updated_in_backward:
+            self.updates_in_backward += 1
+            return True
+        self._stop(self.reducer.update_blocker or "the compiled graph did not update the parameters")
+        return False
+
+    def _stop(self, reason: str) -> None:
+        self.reason = reason
+        self.reducer.updates = None
+
+    def to_dict(self, requested: bool) -> dict[str, Any]:
+        return {
+            "requested": requested,
+            "active": self.active,
+            "from_update": self.from_update,
+            "updates_in_backward": self.updates_in_backward,
+            "restarted_after_lost_state": list(self.restarted_at),
+            "grads_kept_last_backward": self.reducer.grads_kept,
+            "not_updated_in_backward": list(self.reducer.not_updated),
+            "clip": None
+            if self.updates.clip_max_norm is None
+            else "global norm of all reduced gradients, after the last all-reduce, inside the backward",
+            "reason": self.reason,
+        }
