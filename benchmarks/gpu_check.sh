@@ -13,6 +13,8 @@
 #   transformers_cpu  the Hugging Face in-graph tests with CPU ranks (this torch, no GPU involved)
 #   families_diag     BERT, ViT and ResNet per parameter: compile(ddp="in_graph") and ddp="none" against eager
 #                     DDP, 2 gloo ranks on CUDA tensors (tests/multi_gpu/families_diag.py), one launch each
+#   sync_bn           nn.SyncBatchNorm through split, in_graph, train_step and in-backward against eager DDP, 2 gloo
+#                     ranks on CUDA tensors (tests/multi_gpu/test_sync_batchnorm_multirank.py; CPU CI skips it)
 #   regions_probe     plain torch.compile of a GPT whose blocks are nested compile regions, on the GPU, with
 #                     Inductor's buffer reuse on and off, against eager's gradients (tests/single/regions_probe.py)
 #   bench_default     the benchmark's single-process part: world size 1 (nccl), comm workload, every compiled
@@ -92,6 +94,10 @@ print(\"our packages import\")'"
 DDP_COMPILE_TEST_DEVICE=cuda $PY -m tests.multi_gpu.families_diag \$m >$LOGS/diag_\$m.txt 2>&1 & done; wait; \
 grep -h -E '^(==|   )' $LOGS/diag_*.txt"
         ;;
+    sync_bn) # SyncBatchNorm (CUDA only) through split, in_graph, train_step and in-backward, against eager DDP
+        part sync_bn "${TESTS_LIMIT_S:-240}" env DDP_COMPILE_TEST_DEVICE=cuda "$PY" -m pytest -q -rfE \
+            -p no:cacheprovider --timeout 400 tests/multi_gpu/test_sync_batchnorm_multirank.py
+        ;;
     regions_probe) part regions_probe 240 "$PY" -m tests.single.regions_probe cuda ;;
     bench_default) bench bench_default "$BENCH_MODES" ;;
     bench_cudagraphs) bench bench_cudagraphs "${CUDAGRAPH_MODES:-$BENCH_MODES}" --compile-mode reduce-overhead ;;
@@ -101,7 +107,7 @@ done
 [[ -n ${GPU_CHECK_CHILD:-} ]] && exit 0 # a background part: the parent packs the logs
 wait
 tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz --exclude summary.txt . 2>/dev/null
-for log in "$LOGS"/families_diag.log "$LOGS"/regions_probe.log "$LOGS"/in_graph_cuda.log; do # details, up front
+for log in "$LOGS"/families_diag.log "$LOGS"/regions_probe.log "$LOGS"/sync_bn.log "$LOGS"/in_graph_cuda.log; do # details, up front
     [[ -f $log ]] && { echo "--- ${log##*/}"; grep -v -i warn "$log" | tail -n 40 | cut -c1-400; }
 done
 rm -rf "$LOGS" "$OUT"/bench_*

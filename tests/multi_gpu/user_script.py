@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.multi_gpu.ddp_compare import snapshot, update_rel_err
+from tests.multi_gpu.ddp_compare import buffers, snapshot, update_rel_err
 from tests.ranks import rank_device, wrap_ddp
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
@@ -206,6 +206,8 @@ def run_against_eager(script: Script, rank: int, *, how: str = "compile", **kwar
         "params": cpu(snapshot(model)),
         "ref": cpu(snapshot(ref)),
         "initial": cpu(initial),
+        "buffers": cpu(buffers(model)),
+        "ref_buffers": cpu(buffers(ref)),
         "losses": run["losses"],
         "ref_losses": eager["losses"],
         "report": run["report"],
