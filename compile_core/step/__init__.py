@@ -8,6 +8,7 @@
 * `stand_ins.py` -- copies and torch-made optimizer state, to compile the update before update 1;
 * `optim_math.py` -- SGD/Adam/AdamW math per parameter, with host-computed scalars;
 * `in_backward.py` -- the update inside the compiled backward (`optimizer_in_backward=True`);
+* `in_backward_controller.py` -- when the update runs there, and why not (stops, pauses, restarts);
 * `hyperparams.py` -- lr/betas as tensors while a whole `optimizer.step()` runs compiled.
 """
 
