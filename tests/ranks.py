@@ -50,6 +50,12 @@ def _forced_device() -> str | None:
     return value
 
 
+def ranks_on_gpu(world_size: int) -> bool:
+    """Whether `run_ranks(..., world_size=world_size)` puts the ranks' tensors on GPUs: nccl (a GPU per rank)
+    or gloo with `DDP_COMPILE_TEST_DEVICE=cuda`."""
+    return backend_for(world_size) == "nccl" or _forced_device() is not None
+
+
 def rank_device(rank: int) -> torch.device:
     """The device a rank's model and data live on: its own GPU under nccl; under gloo the CPU, or a GPU
     shared round-robin when `DDP_COMPILE_TEST_DEVICE=cuda` (see `RANK_DEVICE_ENV`)."""

@@ -52,6 +52,7 @@ import torch
 from aot.torch_dynamo import DynamoError, lookup_backend, watch_caches
 from compile_core.events import CompileEvents
 from compile_core.reuse.compile_once import Compiled, CompileOnce, Job, rank_offset, say
+from compile_core.step import optim_math
 from compile_core.step.chunk_math import UPDATES, chunk_arguments
 from compile_core.step.stand_ins import stand_ins
 from ddp.bucketing import ParamInfo
@@ -103,7 +104,7 @@ class ChunkedUpdate:
         self._clip: Callable[[], Any] | None = None
         self._calls = 0
         self._stateless: list[torch.Tensor] = []  # parameters with no optimizer state yet (no gradient so far)
-        self._state_seen: tuple[int, int] = (0, 0)  # (id, len) of `optimizer.state` after the last update
+        self._state_watch = optim_math.StateWatch(optimizer)  # marked after every update
         # Claims only (no reuse here: Dynamo's cache per chunk signature does that): with Inductor,
         # the ranks of a node compile different chunks and load the others' (Note [Compile once]).
         self._once = CompileOnce(reuse=False, claims=claims, records=[], lock=threading.Lock()) if claims else None
@@ -140,7 +141,7 @@ class ChunkedUpdate:
         else:
             norm = self._compiled_update()
         self._calls += 1
-        self._state_seen = (id(self.optimizer.state), len(self.optimizer.state))
+        self._state_watch.mark()
         return norm
 
     def _compiled_update(self) -> torch.Tensor | None:
@@ -193,9 +194,7 @@ class ChunkedUpdate:
         or `load_state_dict` of a checkpoint that lacks some parameters (a new `state` object). torch's
         step then starts those parameters afresh (step 0, zero moments), so the stateless set is
         recomputed whenever the state mapping was replaced or shrank."""
-        state = self.optimizer.state
-        seen_id, seen_len = self._state_seen
-        if id(state) != seen_id or len(state) < seen_len:
+        if self._state_watch.changed():
             self._stateless = self._without_state()
         return any(p.grad is not None for p in self._stateless)
 

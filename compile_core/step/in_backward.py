@@ -105,7 +105,7 @@ class OptimizerInBackward:
         self._baked: list[tuple] = []
         self._rows: dict[int, torch.Tensor] = {}  # per parameter: this update's scalars (optim_math)
         self._with_state: list[torch.nn.Parameter] = []  # the parameters that had optimizer state at `prepare`
-        self._state_seen: tuple[int, int] = (0, 0)  # (id, len) of `optimizer.state` when last looked at
+        self._state_watch = optim_math.StateWatch(optimizer)  # marked at `prepare` and while nothing is lost
 
     def prepare(self) -> None:
         """Capture one template per (group, dtype, device) that has a parameter with optimizer state
@@ -118,7 +118,7 @@ class OptimizerInBackward:
                 if key not in self._templates and self._ready(p, group):
                     self._templates[key] = self._capture(group, p)
         self._with_state = [p for g in self.optimizer.param_groups for p in g["params"] if self._ready(p, g)]
-        self._state_seen = (id(self.optimizer.state), len(self.optimizer.state))
+        self._state_watch.mark()
         self.refresh()
 
     def lost_state(self) -> list[torch.nn.Parameter]:
@@ -127,14 +127,12 @@ class OptimizerInBackward:
         (`load_state_dict`, which replaces the mapping). Their update must create it, as torch's step does
         (step 0, zero moments); the compiled backward reads it. A dict lookup per update while the mapping
         is the same and did not shrink."""
-        state = self.optimizer.state
-        seen_id, seen_len = self._state_seen
-        if id(state) == seen_id and len(state) >= seen_len:
+        if not self._state_watch.changed():
             return []
         groups = self.optimizer.param_groups
         lost = [p for p in self._with_state if not self._ready(p, groups[self._group_of[id(p)]])]
         if not lost:
-            self._state_seen = (id(state), len(state))
+            self._state_watch.mark()
         return lost
 
     def refresh(self) -> None:

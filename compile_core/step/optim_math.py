@@ -50,6 +50,23 @@ def decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
 
 
+class StateWatch:
+    """Notices an optimizer state mapping the user replaced (`load_state_dict`) or shrank (`state.clear()`,
+    `del optimizer.state[p]`) since `mark()`: then some parameter may have lost the state a compiled update
+    reads, and torch's own step must recreate it. One id and one length compared per update."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._seen: tuple[int, int] = (0, 0)
+
+    def mark(self) -> None:
+        self._seen = (id(self.optimizer.state), len(self.optimizer.state))
+
+    def changed(self) -> bool:
+        state = self.optimizer.state
+        return id(state) != self._seen[0] or len(state) < self._seen[1]
+
+
 def covers(params: Sequence[torch.Tensor]) -> bool:
     """Whether this math can update these parameters (real, floating point)."""
     return all(p.is_floating_point() for p in params)

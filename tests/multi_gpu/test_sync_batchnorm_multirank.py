@@ -18,15 +18,15 @@ from tests.multi_gpu.ddp_compare import ok, run_scenarios
 from tests.multi_gpu.field_models import OUT, regression_data
 from tests.multi_gpu.models import WIDTH
 from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
-from tests.ranks import RANK_DEVICE_ENV, run_ranks
+from tests.ranks import RANK_DEVICE_ENV, ranks_on_gpu, run_ranks
 
 pytestmark = [
     pytest.mark.multi_gpu,
     pytest.mark.timeout(480),
     pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason=f"SyncBatchNorm trains only on GPU tensors (torch raises for CPU input): needs a CUDA GPU and "
-        f"{RANK_DEVICE_ENV}=cuda",
+        not ranks_on_gpu(2),
+        reason=f"SyncBatchNorm trains only on GPU tensors (torch raises for CPU input): needs 2 CUDA GPUs, or one "
+        f"with {RANK_DEVICE_ENV}=cuda",
     ),
 ]
 
