@@ -79,6 +79,10 @@ class CompileEvents:
             isolate_recompiles=isolate_recompiles,
         )
 
+    def record(self, build: Callable[[], Any]) -> Any:
+        """`build()`, a compile made without Dynamo, timed and counted as one graph."""
+        return self.wrap(lambda _graph, _inputs: build())(None, [])
+
     def wrap(self, backend: Backend, *, on_compiled: Callable[[float], None] | None = None) -> Backend:
         """A backend that records each graph, then calls `backend`; `on_compiled(seconds)` after each."""
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from compile_core.step.in_backward import OptimizerInBackward, support
+from compile_core.step.in_backward import KernelCompiler, OptimizerInBackward, support
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class InBackwardController:
         *,
         clip_max_norm: float | None,
         blocker: str | None = None,
-        compile_kernel: Callable[[Callable[..., None]], Callable[..., None]] | None = None,
+        compile_kernel: KernelCompiler | None = None,
     ) -> None:
         self.reducer = reducer
         self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm, compile_kernel=compile_kernel)

@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import DynamoError, cause_chain, lookup_backend
+from aot.torch_dynamo import DynamoError, cause_chain
 from compile_core.events import CompileEvents
 from compile_core.reuse import idle_work
 from compile_core.reuse.compile_once import job_rank
@@ -64,6 +64,7 @@ from compile_core.step.checks import NO_TARGET, check_inputs, check_loss, split_
 from compile_core.step.chunked_update import ChunkedUpdate
 from compile_core.step.config import TrainStepConfig
 from compile_core.step.hyperparams import HyperparamPins
+from compile_core.step.in_backward import update_kernel_compiler
 from compile_core.step.in_backward_controller import InBackwardController
 from compile_core.step.report import OptimizerReport, TrainStepReport
 from compile_core.step.update import CompiledUpdate, chunking_blocker, clip_and_step
@@ -130,7 +131,7 @@ class TrainStep:
                 self.compiled_model.in_graph,
                 clip_max_norm=config.clip_grad_norm,
                 blocker=config.in_backward_blocker(grad_scaler=grad_scaler is not None, device_type=self._device_type),
-                compile_kernel=self._compile_update_kernel,
+                compile_kernel=update_kernel_compiler(self.config.backend, self._opt_events),
             )
             if self._in_backward.reason is not None:
                 logger.warning("train_step: optimizer update stays after the backward: %s", self._in_backward.reason)
@@ -284,11 +285,6 @@ class TrainStep:
                     update.compile_ahead()
 
             idle_work.offer(UPDATE_OFFER, compile_ahead)
-
-    def _compile_update_kernel(self, fn: Callable[..., None]) -> Callable[..., None]:
-        """One parameter's update for the backward's per-bucket op, compiled once for every parameter size (its
-        length symbolic; a cache of its own; its compiles are the optimizer's, in the report)."""
-        return self._opt_events.compile(fn, lookup_backend(self.config.backend), dynamic=True, isolate_recompiles=True)
 
     def _update_fn(self) -> Callable[[], torch.Tensor | None]:
         return clip_and_step(self._params, self.config.clip_grad_norm, self.optimizer)

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from compile_core.events import CompileEvents
 from compile_core.step import chunk_math
-from compile_core.step.in_backward import OptimizerInBackward
+from compile_core.step.in_backward import OptimizerInBackward, update_kernel_compiler
 
 
 def _after_one_eager_step(kind: str, beta1: float) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
@@ -88,10 +89,12 @@ def test_the_chunked_update_gets_its_scalar_rows_on_the_parameters_device(opt_cl
     assert rows[0].device.type == "meta"
 
 
-def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matches_torchs_step(monkeypatch):
+@pytest.mark.parametrize("backend", ["dynamo", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matches_torchs_step(monkeypatch, backend):
     """The per-bucket op's kernel (ddp/in_graph/update_op.py) gets gradients as views into one bucket
     buffer at several offsets, and scalar rows sliced from one tensor, as the compiled backward passes
-    them: compiled as train_step compiles it (a symbolic length), one compile serves every parameter."""
+    them: compiled as train_step compiles it (a symbolic length; through Dynamo, or with Inductor
+    directly), one compile serves every parameter."""
     from ddp.in_graph.update_op import BUCKET_UPDATE
 
     def model_params() -> list[torch.nn.Parameter]:
@@ -107,20 +110,15 @@ def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matche
 
     params, ref_params = model_params(), model_params()
     optimizer, ref_optimizer = stepped(params), stepped(ref_params)
-    compiles: list[int] = []
-
-    def counting(gm, example_inputs):
-        compiles.append(len(example_inputs))
-        return gm.forward
-
-    as_the_step_does = lambda fn: torch.compile(fn, backend=counting, dynamic=True)  # noqa: E731
+    events = CompileEvents(breaks_from="counters", name="optimizer update")
+    as_the_step_does = update_kernel_compiler("aot_eager" if backend == "dynamo" else backend, events)
     updates = OptimizerInBackward(optimizer, compile_kernel=as_the_step_does)
     from compile_core.reuse import idle_work
 
     monkeypatch.setattr(idle_work, "_offers", {})
     updates.prepare()
     # prepare() offers the kernel's compile to a rank about to wait for another's compile: run it as one would
-    assert [n for n in idle_work.run_offered() if n.startswith("update kernel")] and len(compiles) == 1
+    assert [n for n in idle_work.run_offered() if n.startswith("update kernel")] and events.graphs == 1
     templates = [updates.template_for(p) for p in params]
     bucket = torch.randn(sum(p.numel() for p in params) + 5, generator=torch.Generator().manual_seed(2))
     grads, offset = [], 5  # the first gradient not at offset 0 either
@@ -130,7 +128,7 @@ def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matche
     states = [s for p, t in zip(params, templates) for s in updates.states(p, t)]
     rows = [row for p, t in zip(params, templates) for _, row in updates.hypers(p, t)]
     BUCKET_UPDATE(params, grads, states, rows, templates[0].kind)
-    assert len(compiles) == 1, compiles  # the compile on stand-ins serves every real parameter
+    assert events.graphs == 1, events.graphs  # the compile on stand-ins serves every real parameter
     for p, g in zip(ref_params, grads):
         p.grad = g.clone()
     ref_optimizer.step()
@@ -217,8 +215,8 @@ def test_the_chunk_gets_its_gradients_at_storage_offset_zero_over_the_same_memor
 
 
 def test_the_cpu_update_kernel_follows_a_parameter_whose_storage_was_replaced():
-    """The kernel keeps a parameter's flat alias from update to update; after `param.data = ...` (a new
-    storage, as an in-place checkpoint load may do) the update must reach the new memory, not the old."""
+    """After `param.data = ...` (a new storage, as an in-place checkpoint load may do) the kernel's update
+    must reach the new memory, not the old (nothing may keep the parameter's old flat view)."""
     from ddp.in_graph.update_op import BUCKET_UPDATE
 
     def setup():
@@ -230,7 +228,7 @@ def test_the_cpu_update_kernel_follows_a_parameter_whose_storage_was_replaced():
         return param, optimizer
 
     (param, optimizer), (ref, ref_optimizer) = setup(), setup()
-    updates = OptimizerInBackward(optimizer, compile_kernel=lambda fn: fn)  # the kernel's path, uncompiled
+    updates = OptimizerInBackward(optimizer, compile_kernel=lambda fn, examples: fn)  # the kernel's path, uncompiled
     updates.prepare()
     for update in range(2):
         updates.refresh()  # this update's scalars (step count), as before each forward
