@@ -210,7 +210,7 @@ class OptimizerInBackward:
         # Triton kernels instead of several launches per parameter (not measured yet: no GPU with 2.13).
         if self.compile_kernel is not None and param.device.type == "cpu":
             kind = _kind(self.optimizer, group, state_keys, param)
-            kernel = _per_parameter_kernel(fn, self.compile_kernel, len(state_keys))
+            kernel = _per_parameter_kernel(fn, self.compile_kernel, state_keys)
             register_kernel(kind, kernel)
             # A rank that waits for another's compile of the update variant compiles this meanwhile.
             states = [state[k] for k in state_keys]
@@ -250,13 +250,23 @@ def update_kernel_compiler(backend: str | Callable[..., Any], events: CompileEve
     return compile_kernel
 
 
-def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: KernelCompiler, per_param: int):
+def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: KernelCompiler, state_keys: tuple[str, ...]):
     """`kernel(params, grads, states, rows)`: the update compiled once for every parameter size.
 
     `compile_kernel(fn, examples)` compiles it with a symbolic length and returns a function of flat
-    tensors (each parameter, gradient and state as a 1-D view; the step count 0-dim; the scalar row).
-    A non-contiguous parameter runs the math eagerly."""
+    tensors: the parameter, its gradient and each state tensor as a 1-D view (a 0-dim parameter too),
+    the step count 0-dim, the scalar row. A non-contiguous parameter runs the math eagerly."""
     compiled: list[Callable[..., None]] = []
+    per_param = len(state_keys)
+    # Which of (param, grad, *states, row) are elementwise: flattened, and stood in for by 64 zeros when
+    # compiling (a traced length of 0 or 1 would be specialised). Decided by role, not by dimensions.
+    elementwise = (True, True, *(k != "step" for k in state_keys), False)
+
+    def flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.view(-1) if e else t for t, e in zip(tensors, elementwise)]
+
+    def stand_ins(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.new_zeros(64) if e else t.detach().clone() for t, e in zip(tensors, elementwise)]
 
     def kernel(params, grads, states, rows) -> None:
         for i, (param, grad) in enumerate(zip(params, grads)):
@@ -265,28 +275,21 @@ def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: KernelCompile
                 fn(*tensors)
                 continue
             if not compiled:
-                compiled.append(compile_kernel(fn, _stand_ins(tensors)))
-            compiled[0](*[t.view(-1) if t.dim() else t for t in tensors])
+                compiled.append(compile_kernel(fn, stand_ins(tensors)))
+            compiled[0](*flat(tensors))
 
     def warm(kind: str, param: torch.Tensor, states: list[torch.Tensor], row: torch.Tensor) -> None:
-        """Compile the kernel now on stand-ins shaped like `param`'s flattened tensors, unless it already
-        is; through the op, as the backward calls it (inside a custom op the tensors carry other dispatch
-        keys, which Dynamo guards on when the kernel is compiled through Dynamo)."""
+        """Compile the kernel now on stand-ins for `param`'s tensors, unless it already is; through the
+        op, as the backward calls it (inside a custom op the tensors carry other dispatch keys, which
+        Dynamo guards on when the kernel is compiled through Dynamo)."""
         if compiled:
             return
         with torch.no_grad():
-            stand_ins = _stand_ins([param, param, *states, row])
-            BUCKET_UPDATE([stand_ins[0]], [stand_ins[1]], stand_ins[2:-1], [stand_ins[-1]], kind)
+            like = stand_ins([param, param, *states, row])
+            BUCKET_UPDATE([like[0]], [like[1]], like[2:-1], [like[-1]], kind)
 
     kernel.warm = warm  # type: ignore[attr-defined]
     return kernel
-
-
-def _stand_ins(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Zeros of 64 elements in place of each tensor (the length is symbolic; 0 and 1 would be
-    specialised), except 0-dim ones and the last (the scalar row), which are copied."""
-    like = lambda t: t.detach().clone() if t.dim() == 0 else t.new_zeros(64)  # noqa: E731
-    return [like(t) for t in tensors[:-1]] + [tensors[-1].detach().clone().view(-1)]
 
 
 def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:

@@ -89,17 +89,18 @@ def test_the_chunked_update_gets_its_scalar_rows_on_the_parameters_device(opt_cl
     assert rows[0].device.type == "meta"
 
 
-@pytest.mark.parametrize("backend", ["dynamo", pytest.param("inductor", marks=pytest.mark.inductor)])
-def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matches_torchs_step(monkeypatch, backend):
-    """The per-bucket op's kernel (ddp/in_graph/update_op.py) gets gradients as views into one bucket
-    buffer at several offsets, and scalar rows sliced from one tensor, as the compiled backward passes
-    them: compiled as train_step compiles it (a symbolic length; through Dynamo, or with Inductor
-    directly), one compile serves every parameter."""
+def _kernel_against_torchs_step(shapes: tuple, backend: str, monkeypatch) -> CompileEvents:
+    """Parameters of `shapes` updated once by the per-bucket op's kernel (ddp/in_graph/update_op.py) as
+    the compiled backward calls it: gradients as views into one bucket buffer at several offsets, scalar
+    rows sliced from one tensor, the kernel compiled as train_step compiles it ("dynamo": through Dynamo;
+    "inductor": by Inductor directly). Asserts parameters and state equal torch's own step; returns the
+    compiles."""
+    from compile_core.reuse import idle_work
     from ddp.in_graph.update_op import BUCKET_UPDATE
 
     def model_params() -> list[torch.nn.Parameter]:
         torch.manual_seed(0)
-        return [torch.nn.Parameter(torch.randn(*shape)) for shape in ((8, 16), (48,), (4, 4, 4), (300,), (7,))]
+        return [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
 
     def stepped(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
@@ -113,8 +114,6 @@ def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matche
     events = CompileEvents(breaks_from="counters", name="optimizer update")
     as_the_step_does = update_kernel_compiler("aot_eager" if backend == "dynamo" else backend, events)
     updates = OptimizerInBackward(optimizer, compile_kernel=as_the_step_does)
-    from compile_core.reuse import idle_work
-
     monkeypatch.setattr(idle_work, "_offers", {})
     updates.prepare()
     # prepare() offers the kernel's compile to a rank about to wait for another's compile: run it as one would
@@ -128,14 +127,32 @@ def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matche
     states = [s for p, t in zip(params, templates) for s in updates.states(p, t)]
     rows = [row for p, t in zip(params, templates) for _, row in updates.hypers(p, t)]
     BUCKET_UPDATE(params, grads, states, rows, templates[0].kind)
-    assert events.graphs == 1, events.graphs  # the compile on stand-ins serves every real parameter
     for p, g in zip(ref_params, grads):
         p.grad = g.clone()
     ref_optimizer.step()
     for p, ref in zip(params, ref_params):
         torch.testing.assert_close(p.data, ref.data, rtol=1e-6, atol=1e-7)
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(optimizer.state[p][key], ref_optimizer.state[ref][key], rtol=1e-6, atol=1e-7)
+    return events
+
+
+KERNEL_PATHS = ["dynamo", pytest.param("inductor", marks=pytest.mark.inductor)]
+
+
+@pytest.mark.parametrize("backend", KERNEL_PATHS)
+def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matches_torchs_step(monkeypatch, backend):
+    events = _kernel_against_torchs_step(((8, 16), (48,), (4, 4, 4), (300,), (7,)), backend, monkeypatch)
+    assert events.graphs == 1, events.graphs  # the compile on stand-ins serves every real parameter
+
+
+@pytest.mark.parametrize("backend", KERNEL_PATHS)
+def test_the_cpu_update_kernel_updates_scalar_and_one_element_parameters_like_torchs_step(monkeypatch, backend):
+    """A 0-dim parameter (a learned temperature or scale) and a 1-element one: each state tensor but the
+    step count is flattened like the parameter, so they fit the kernel compiled for 1-D tensors."""
+    events = _kernel_against_torchs_step(((8, 16), (), (1,), (5,)), backend, monkeypatch)
+    if backend == "inductor":
+        assert events.graphs == 1, events.graphs  # no guards: the symbolic length serves 1 too
 
 
 class _Blocks(nn.Module):
