@@ -157,14 +157,20 @@ def compile_in_place_elementwise(fn: Callable[..., None], example_args: list[tor
     """
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
 
     remember_isa_probes()
-    traced = make_fx(
-        torch.func.functionalize(fn, remove="mutations"),
-        decomposition_table=decompositions(),
-        tracing_mode="symbolic",
-    )(*example_args)
+    # Away from any compile in progress (a rank waiting inside a backend for another rank's compile does
+    # this meanwhile): make_fx would take that compile's fake mode, and its ShapeEnv would gain this
+    # trace's symbols and guards, renaming the symbols of the graph being compiled, whose cache key
+    # then differs from the other ranks'.
+    with tracing(None), unset_fake_temporarily():
+        traced = make_fx(
+            torch.func.functionalize(fn, remove="mutations"),
+            decomposition_table=decompositions(),
+            tracing_mode="symbolic",
+        )(*example_args)
     # Inductor compiles graphs that return a tuple; the in-place writes are all `fn` does.
     output = next(n for n in reversed(traced.graph.nodes) if n.op == "output")
     output.args = ((),)

@@ -498,6 +498,28 @@ def test_compile_in_place_elementwise_writes_inputs_of_any_length_like_eager(tmp
                 torch.testing.assert_close(g, e)
 
 
+@pytest.mark.inductor
+def test_compile_in_place_elementwise_leaves_a_compile_in_progress_alone():
+    """A rank waiting inside a backend (another rank compiles the same graph) compiles the update kernel
+    meanwhile: the graph in progress must keep its symbols, or its cache key differs from the other
+    ranks' (seen: the waiting rank missed the cache and compiled the whole update variant again)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def scale(x, row):
+        x.mul_(row[0])
+
+    with canary("inductor/torch_inductor.py:compile_in_place_elementwise"):
+        in_progress = FakeTensorMode(shape_env=ShapeEnv())
+        with tracing(TracingContext(in_progress)):
+            kernel = torch_inductor.compile_in_place_elementwise(scale, [torch.zeros(64), torch.tensor([2.0])])
+        assert not in_progress.shape_env.var_to_val, in_progress.shape_env.var_to_val
+        x = torch.ones(5)
+        kernel(x, torch.tensor([3.0]))
+        torch.testing.assert_close(x, torch.full((5,), 3.0))
+
+
 class _OwnError(RuntimeError):
     pass
 
