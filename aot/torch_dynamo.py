@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -350,6 +350,19 @@ def save_for_backward(
             placeholder = backward.graph.placeholder(f"saved_{fw_node.name}")
     placeholder.meta.update(fw_node.meta)
     return placeholder
+
+
+@contextlib.contextmanager
+def outside_any_compile() -> Iterator[None]:
+    """Run as if no compile were in progress: no tracing context (`torch._guards.tracing(None)`) and no
+    fake tensor mode (`unset_fake_temporarily`, `torch/_subclasses/fake_tensor.py`). For work a rank does
+    while it waits inside a backend: tensors it makes there would otherwise be that compile's fake
+    tensors, and a trace would share that compile's ShapeEnv."""
+    from torch._guards import tracing
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with tracing(None), unset_fake_temporarily():
+        yield
 
 
 def capture_functional(

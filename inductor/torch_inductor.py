@@ -179,7 +179,7 @@ def compile_in_place_elementwise(fn: Callable[..., None], example_args: list[tor
     # be bypassed); with None there Inductor takes it from the fake inputs, which carry the same one.
     traced.shape_env = None
     fakes = [n.meta["val"] for n in traced.graph.nodes if n.op == "placeholder"]
-    with tracing(TracingContext(detect_fake_mode(fakes))):
+    with unset_fake_temporarily(), tracing(TracingContext(detect_fake_mode(fakes))):
         compiled = compile_fx_inner(traced, fakes)
 
     def run(*tensors: torch.Tensor) -> None:

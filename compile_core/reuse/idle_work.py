@@ -13,6 +13,8 @@ import logging
 import threading
 from typing import Any, Callable
 
+from aot.torch_dynamo import outside_any_compile
+
 log = logging.getLogger(__name__)
 
 _offers: dict[str, Callable[[], Any]] = {}
@@ -40,7 +42,8 @@ def run_offered() -> list[str]:
     ran = []
     for name, work in offers:
         try:
-            work()
+            with outside_any_compile():  # the caller waits inside a backend, its fake mode active
+                work()
         except Exception as err:  # noqa: BLE001 - an optional head start; the step redoes it
             log.info(
                 "compile_core: %s, tried while waiting, failed (%s: %s); done later", name, type(err).__name__, err

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -89,12 +92,12 @@ def test_the_chunked_update_gets_its_scalar_rows_on_the_parameters_device(opt_cl
     assert rows[0].device.type == "meta"
 
 
-def _kernel_against_torchs_step(shapes: tuple, backend: str, monkeypatch) -> CompileEvents:
+def _kernel_against_torchs_step(shapes: tuple, backend: str, monkeypatch, *, wait_inside=None) -> CompileEvents:
     """Parameters of `shapes` updated once by the per-bucket op's kernel (ddp/in_graph/update_op.py) as
     the compiled backward calls it: gradients as views into one bucket buffer at several offsets, scalar
     rows sliced from one tensor, the kernel compiled as train_step compiles it ("dynamo": through Dynamo;
     "inductor": by Inductor directly). Asserts parameters and state equal torch's own step; returns the
-    compiles."""
+    compiles. `wait_inside`: a context the offered compile runs in (a rank waiting inside a backend)."""
     from compile_core.reuse import idle_work
     from ddp.in_graph.update_op import BUCKET_UPDATE
 
@@ -117,7 +120,9 @@ def _kernel_against_torchs_step(shapes: tuple, backend: str, monkeypatch) -> Com
     monkeypatch.setattr(idle_work, "_offers", {})
     updates.prepare()
     # prepare() offers the kernel's compile to a rank about to wait for another's compile: run it as one would
-    assert [n for n in idle_work.run_offered() if n.startswith("update kernel")] and events.graphs == 1
+    with wait_inside or contextlib.nullcontext():
+        offered = idle_work.run_offered()
+    assert [n for n in offered if n.startswith("update kernel")] and events.graphs == 1
     templates = [updates.template_for(p) for p in params]
     bucket = torch.randn(sum(p.numel() for p in params) + 5, generator=torch.Generator().manual_seed(2))
     grads, offset = [], 5  # the first gradient not at offset 0 either
@@ -257,3 +262,23 @@ def test_the_cpu_update_kernel_follows_a_parameter_whose_storage_was_replaced():
         ref_optimizer.step()
         torch.testing.assert_close(param.data, ref.data, rtol=1e-6, atol=1e-7, msg=f"update {update + 2}")
         param.data = param.data.clone()  # a new storage before the next update
+
+
+@pytest.mark.inductor
+def test_the_update_kernel_compiled_while_waiting_inside_a_backend_is_inductors_own(monkeypatch, caplog):
+    """A rank that waits for another's compile runs the offered kernel compile inside its own backend,
+    with that compile's fake mode active: the kernel must still be Inductor's, compiled on real stand-ins
+    (before: 'Mixing fake modes', and the kernel fell back to Dynamo's ~10x dearer calls)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    in_progress = FakeTensorMode()
+
+    @contextlib.contextmanager
+    def inside_a_backend():
+        with tracing(TracingContext(in_progress)), in_progress:
+            yield
+
+    with caplog.at_level(logging.WARNING):
+        _kernel_against_torchs_step(((8, 16), (5,)), "inductor", monkeypatch, wait_inside=inside_a_backend())
+    assert not [r for r in caplog.records if "through Dynamo instead" in r.getMessage()]

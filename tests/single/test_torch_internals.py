@@ -288,6 +288,19 @@ def _graph_break_fn(x):
     return y * 2
 
 
+def test_outside_any_compile_makes_real_tensors_while_a_compile_is_in_progress():
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    in_progress = FakeTensorMode()
+    with canary("aot/torch_dynamo.py:outside_any_compile"):
+        with tracing(TracingContext(in_progress)), in_progress:
+            assert isinstance(torch.zeros(2), FakeTensor)  # what a rank waiting inside a backend would make
+            with torch_dynamo.outside_any_compile():
+                assert not isinstance(torch.zeros(2), FakeTensor) and TracingContext.try_get() is None
+            assert TracingContext.try_get() is not None and isinstance(torch.zeros(2), FakeTensor)
+
+
 def test_graph_break_is_readable_from_the_graph_and_the_counters():
     with canary("aot/torch_dynamo.py:graph_break_of/break_counters"):
         breaks = []
@@ -512,8 +525,9 @@ def test_compile_in_place_elementwise_leaves_a_compile_in_progress_alone():
 
     with canary("inductor/torch_inductor.py:compile_in_place_elementwise"):
         in_progress = FakeTensorMode(shape_env=ShapeEnv())
-        with tracing(TracingContext(in_progress)):
-            kernel = torch_inductor.compile_in_place_elementwise(scale, [torch.zeros(64), torch.tensor([2.0])])
+        examples = [torch.zeros(64), torch.tensor([2.0])]
+        with tracing(TracingContext(in_progress)), in_progress:  # its fake mode active, as inside a backend
+            kernel = torch_inductor.compile_in_place_elementwise(scale, examples)
         assert not in_progress.shape_env.var_to_val, in_progress.shape_env.var_to_val
         x = torch.ones(5)
         kernel(x, torch.tensor([3.0]))
