@@ -171,6 +171,8 @@ def compile_in_place_elementwise(fn: Callable[..., None], example_args: list[tor
             decomposition_table=decompositions(),
             tracing_mode="symbolic",
         )(*example_args)
+        fakes = [n.meta["val"] for n in traced.graph.nodes if n.op == "placeholder"]
+        fake_mode = detect_fake_mode(fakes)  # the trace's own (here a compile in progress would answer)
     # Inductor compiles graphs that return a tuple; the in-place writes are all `fn` does.
     output = next(n for n in reversed(traced.graph.nodes) if n.op == "output")
     output.args = ((),)
@@ -178,8 +180,7 @@ def compile_in_place_elementwise(fn: Callable[..., None], example_args: list[tor
     # make_fx leaves its ShapeEnv on the module, which Inductor's cache key cannot pickle (the cache would
     # be bypassed); with None there Inductor takes it from the fake inputs, which carry the same one.
     traced.shape_env = None
-    fakes = [n.meta["val"] for n in traced.graph.nodes if n.op == "placeholder"]
-    with unset_fake_temporarily(), tracing(TracingContext(detect_fake_mode(fakes))):
+    with unset_fake_temporarily(), tracing(TracingContext(fake_mode)):
         compiled = compile_fx_inner(traced, fakes)
 
     def run(*tensors: torch.Tensor) -> None:

@@ -512,7 +512,7 @@ def test_compile_in_place_elementwise_writes_inputs_of_any_length_like_eager(tmp
 
 
 @pytest.mark.inductor
-def test_compile_in_place_elementwise_leaves_a_compile_in_progress_alone():
+def test_compile_in_place_elementwise_leaves_a_compile_in_progress_alone(tmp_path, monkeypatch):
     """A rank waiting inside a backend (another rank compiles the same graph) compiles the update kernel
     meanwhile: the graph in progress must keep its symbols, or its cache key differs from the other
     ranks' (seen: the waiting rank missed the cache and compiled the whole update variant again)."""
@@ -522,6 +522,8 @@ def test_compile_in_place_elementwise_leaves_a_compile_in_progress_alone():
 
     def scale(x, row):
         x.mul_(row[0])
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cache miss: Inductor lowers the graph
 
     with canary("inductor/torch_inductor.py:compile_in_place_elementwise"):
         in_progress = FakeTensorMode(shape_env=ShapeEnv())
