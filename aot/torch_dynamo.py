@@ -100,6 +100,31 @@ def nested_region_calls(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is invoke_subgraph)
 
 
+def inline_nested_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` run without compiling: each `invoke_subgraph` call replaced by a call of the region's body.
+
+    Run eagerly, the op's autograd rule asserts a fake mode in its backward ("fake_mode should be enabled
+    for HOPs", torch 2.13; `torch.compile(backend="eager")` fails the same way), so an eager fallback of a
+    graph with nested compile regions calls the bodies as plain modules instead. `gm` itself is unchanged.
+    """
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    if not nested_region_calls(gm):
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is invoke_subgraph:
+            body, _identifier, *operands = node.args
+            with graph.inserting_before(node):
+                call = graph.call_module(body.target, tuple(operands))
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+            if not body.users:
+                graph.erase_node(body)
+    return fx.GraphModule(gm, graph)
+
+
 def graph_break_of(gm: fx.GraphModule) -> dict[str, str] | None:
     """`{"reason", "where"}` when Dynamo compiled `gm` because of a graph break, else None.
 

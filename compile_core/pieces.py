@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from aot import GraphPair, aot_compile, nop_compiler
-from aot.torch_dynamo import RestartAnalysis, non_lazy_backward
+from aot.torch_dynamo import RestartAnalysis, inline_nested_regions, non_lazy_backward
 from aot.torch_dynamo_cache import CacheOutcome, watch_caches
 from compile_core.config import CompileConfig
 from compile_core.report import CompileLog
@@ -101,7 +101,7 @@ class PieceCompiler:
         self, backend: str, gm: fx.GraphModule, example_inputs: list, name: str, partitioner: Any
     ) -> Compiled:
         if backend == "eager":
-            return Compiled(fn=gm.forward, used_aot=False, backend=backend, cache=CacheOutcome())
+            return Compiled(fn=inline_nested_regions(gm).forward, used_aot=False, backend=backend, cache=CacheOutcome())
         if backend == "custom":
             return Compiled(
                 fn=self.config.backend(gm, example_inputs), used_aot=False, backend=backend, cache=CacheOutcome()

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
+from aot.torch_dynamo import input_placeholders
 from ddp.bucketing.grad_buckets import GradBucketPlan
 from ddp.in_graph.graph_pass import UpdateSpec, add_accumulated, insert_bucketed_all_reduce
 
@@ -59,10 +60,17 @@ class InGraphPartitioner:
         """`base`: the partition step to build on (a user's own Inductor `custom_partitioner_fn`), else min-cut."""
         from functorch.compile import min_cut_rematerialization_partition
 
+        kwargs.setdefault("compiler", "inductor")  # what Inductor passes, and min-cut's own default
+        partition = base or min_cut_rematerialization_partition
+        if not input_placeholders(joint.graph):
+            # The body of a nested compile region (invoke_subgraph). AOTAutograd partitions each body on its
+            # own, with the same partition step, before the graph that calls it. Its inputs are the region's,
+            # not the graph's (no input descriptors), and the gradients of the parameters it reads leave
+            # through the calling graph's backward, where they are bucketed: partition the body as it is.
+            return partition(joint, joint_inputs, **kwargs)
         if self.accumulated_input_of:
             add_accumulated(joint, self.accumulated_input_of)
-        kwargs.setdefault("compiler", "inductor")  # what Inductor passes, and min-cut's own default
-        forward, backward = (base or min_cut_rematerialization_partition)(joint, joint_inputs, **kwargs)
+        forward, backward = partition(joint, joint_inputs, **kwargs)
         after = insert_bucketed_all_reduce(
             backward,
             self.plan,

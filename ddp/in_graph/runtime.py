@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import tree_leaves, with_extra_inputs
+from aot.torch_dynamo import inline_nested_regions, tree_leaves, with_extra_inputs
 from ddp import torch_ddp
 from ddp.agreement import RankAgreement
 from ddp.bucketing import ParamInfo
@@ -338,7 +338,7 @@ class InGraphReducer:
             log.warning(
                 "compile_core: ddp='in_graph': %s: %s; its gradients are all-reduced after the backward", name, reason
             )
-            return original.forward, None
+            return inline_nested_regions(original).forward, None
         entry = (tuple(b.params for b in plan.buckets), str(self.reduction.wire_dtype))
         covered = frozenset(id(inputs[i]) for i in plan.input_indices())
         updated = frozenset(id(inputs[i]) for i in (spec.templates if spec is not None else ()))

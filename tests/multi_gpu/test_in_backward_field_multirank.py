@@ -162,6 +162,8 @@ SCENARIOS = {
         r, _script(make_model=Regioned, make_opt=adamw, ddp_kwargs={"static_graph": True})
     ),
     "regions_accumulation": lambda r: _step(r, _script(make_model=Regioned, make_opt=adamw, accum=2)),
+    "regions_sgd_clip": lambda r: _step(r, _script(make_model=Regioned, make_opt=sgd, clip=0.05)),
+    "regions_sgd_clip_unclipped": lambda r: _unclipped(r, _script(make_model=Regioned, make_opt=sgd, clip=0.05)),
     "regions_first_block_frozen": lambda r: _step(r, _script(make_model=regioned_first_block_frozen, make_opt=adamw)),
     "regions_ignored_block": lambda r: _step(
         r, _script(make_model=Regioned, make_opt=adamw, ignore=("blocks.2.fc.weight", "blocks.2.fc.bias"))
@@ -341,7 +343,7 @@ def test_mixed_fp32_and_bf16_parameters(results):
     _assert_in_backward(per_rank)
 
 
-@pytest.mark.parametrize("name", ["sgd_clip", "mixed_dtypes_clip"])
+@pytest.mark.parametrize("name", ["sgd_clip", "mixed_dtypes_clip", "regions_sgd_clip"])
 def test_clipping_takes_the_global_norm_inside_the_backward_and_changes_the_update(results, name):
     per_rank = ok(results, name)
     unclipped = ok(results, f"{name}_unclipped")

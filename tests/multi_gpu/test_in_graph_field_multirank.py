@@ -207,11 +207,13 @@ def results():
 
 
 def _reduced_in_graph(report: dict) -> set[str]:
+    """Parameters of the buckets whose all-reduce the report places after a gradient op of a compiled backward."""
     return {
         n
         for g in report["graphs"]
         if g.get("variant", "").startswith("reduce")
         for b in g["buckets"]
+        if b["after"] != "(no gradient in this graph)"
         for n in b["params"]
     }
 

@@ -226,6 +226,35 @@ def test_inductor_failure_falls_back_and_is_reported():
     assert "fallbacks: 3" in str(compiled.report())
 
 
+class _RegionBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def _regioned() -> nn.Module:
+    return nn.Sequential(*(_RegionBlock() for _ in range(3)), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("ddp_mode", ["split", "in_graph"])
+def test_a_graph_with_nested_compile_regions_falls_back_to_eager_and_trains_like_eager(ddp_mode, monkeypatch):
+    """Both compilers fail: the eager fallback runs the region bodies as plain calls. Run as Dynamo left it,
+    the region op's own backward asserts a fake mode (torch 2.13's eager backend fails the same way)."""
+    import compile_core.pieces
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("aot_eager failed (injected)")
+
+    monkeypatch.setattr(compile_core.pieces, "aot_compile", fail)
+    x = lambda s: torch.randn(4, 32, generator=torch.Generator().manual_seed(s))  # noqa: E731
+    _, report = run_against_eager(_regioned, x, backend="aot_eager", ddp=ddp_mode, bucket_cap_mb=0.005)
+    assert {(f["from"], f["to"]) for f in report["fallbacks"]} == {("aot_eager", "eager")}, report["fallbacks"]
+
+
 class AutocastMiddle(nn.Module):
     def __init__(self, autocast: bool = True) -> None:
         super().__init__()

@@ -820,6 +820,30 @@ def test_nested_region_calls_counts_the_invoke_subgraph_calls_of_a_dynamo_graph(
     assert torch_dynamo.nested_region_calls(plain) == 0
 
 
+def test_inline_nested_regions_calls_the_region_bodies_and_gives_the_same_gradients():
+    """The eager fallback of a graph with regions: no invoke_subgraph left, the graph's outputs, a gradient for
+    every parameter, and Dynamo's graph itself unchanged."""
+    gm, inputs = _region_graph()
+    before = torch_dynamo.nested_region_calls(gm)
+    plain = torch_dynamo.inline_nested_regions(gm)
+    assert torch_dynamo.nested_region_calls(plain) == 0 and torch_dynamo.nested_region_calls(gm) == before
+    real = [
+        torch.randn(t.shape) if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) else t for t in inputs
+    ]
+    with torch.no_grad():
+        expected = gm(*real)  # the op's forward runs eagerly; its backward does not (below)
+    out = plain(*real)
+    torch.testing.assert_close(out, expected)
+    (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
+    grads = [p.grad for p in inputs if isinstance(p, nn.Parameter)]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    with canary("aot/torch_dynamo.py:inline_nested_regions (invoke_subgraph's eager backward)"):
+        # why it exists: Dynamo's graph as it is cannot run a backward eagerly
+        with pytest.raises(AssertionError, match="fake_mode"):
+            out = gm(*real)
+            (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
+
+
 def test_an_ordered_graph_runs_eagerly_on_parameters_even_where_control_deps_had_no_autograd_kernel():
     """torch 2.11's `control_deps` had no Autograd kernel: an ordered backward run eagerly (aot_eager) on
     tensors that require grad raised. Simulated here by taking 2.13's kernel away; `order_after` puts one back."""
