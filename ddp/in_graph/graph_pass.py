@@ -301,7 +301,12 @@ def _insert_updates(
             )
             if norm_node is not None:
                 builder.call(_ops.copy_.default, [norm_node, total])
-            limit = builder.call(_ops.full_like.default, [total, float(updates.clip_max_norm)])
+            # scalar_tensor, not full_like: Inductor lowers it as it is (full_like only through a decomposition)
+            limit = builder.call(
+                _ops.scalar_tensor.default,
+                [float(updates.clip_max_norm)],
+                {"dtype": total.meta["val"].dtype, "device": total.meta["val"].device},
+            )
             coef = builder.call(
                 _ops.clamp_max.default,
                 [builder.call(_ops.div.Tensor, [limit, builder.call(_ops.add.Tensor, [total, 1e-6])]), 1.0],

@@ -1,0 +1,106 @@
+"""`optimizer_in_backward=True` with `backend="inductor"` on field scripts, against the eager script.
+
+The field suite (test_in_backward_field_multirank.py) runs on aot_eager, where the per-parameter update
+kernel is compiled through Dynamo. With Inductor the kernel is Inductor's own, compiled without Dynamo
+(`inductor.torch_inductor.compile_in_place_elementwise`): these scenarios put the field patterns through
+that path, several patterns per script to keep the Inductor compiles few. 2 ranks, rank-dependent data,
+4 updates, checked against the same loop run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.multi_gpu.ddp_compare import ok, run_scenarios
+from tests.multi_gpu.field_models import Regioned, aux_on_head_bias
+from tests.multi_gpu.test_in_backward_field_multirank import (
+    UPDATES,
+    _script,
+    _step,
+    adamw_groups,
+    frozen_body_start,
+    sgd_momentum_foreach,
+)
+from tests.multi_gpu.user_script import assert_like_eager
+from tests.ranks import run_ranks
+
+pytestmark = [pytest.mark.multi_gpu, pytest.mark.inductor, pytest.mark.timeout(600)]
+
+IGNORED = ("body.2.weight", "body.2.bias")
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _inductor(rank: int, script) -> dict:
+    """The scenario through Inductor, with the warnings compile_core logged meanwhile."""
+    handler = _Warnings()
+    logger = logging.getLogger("compile_core")
+    logger.addHandler(handler)
+    try:
+        result = _step(rank, script, backend="inductor")
+    finally:
+        logger.removeHandler(handler)
+    result["warnings"] = handler.messages
+    return result
+
+
+SCENARIOS = {
+    # fine-tuning recipe: a frozen first layer, two param groups (decay / no decay, another lr and betas),
+    # an auxiliary loss on head.bias (updated by the normal step), parameters DDP ignores (local gradients)
+    "frozen_groups_aux_loss_ignored": lambda r: _inductor(
+        r,
+        _script(make_model=frozen_body_start, make_opt=adamw_groups, loss=aux_on_head_bias, ignore=IGNORED),
+    ),
+    "regions_param_groups": lambda r: _inductor(r, _script(make_model=Regioned, make_opt=adamw_groups)),
+    "sgd_momentum_clip": lambda r: _inductor(r, _script(make_opt=sgd_momentum_foreach, clip=0.05)),
+}
+
+
+def _all(rank: int, world_size: int) -> dict:
+    return run_scenarios(SCENARIOS, rank)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all, world_size=2, timeout=580)
+
+
+def _assert_updated_inside_by_inductors_kernel(per_rank: list[dict], *, kept: int) -> None:
+    for r in per_rank:
+        iob = r["report"]["optimizer_in_backward"]
+        assert iob["active"] and iob["from_update"] == 2, iob
+        assert iob["updates_in_backward"] == UPDATES - 1, iob
+        assert iob["grads_kept_last_backward"] == kept, iob
+        assert r["report"]["fallbacks"] == [], r["report"]["fallbacks"]
+        assert not [m for m in r["warnings"] if "through Dynamo instead" in m], r["warnings"]
+
+
+def test_a_fine_tuning_script_with_frozen_layers_groups_an_aux_loss_and_ignored_parameters(results):
+    per_rank = ok(results, "frozen_groups_aux_loss_ignored")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6, not_reduced=IGNORED)
+    _assert_updated_inside_by_inductors_kernel(per_rank, kept=1)  # head.bias: after the backward
+    assert per_rank[0]["report"]["in_graph"]["outside_graph"] == ["head.bias"]
+    for name in IGNORED:
+        assert not torch.equal(per_rank[0]["params"][name], per_rank[1]["params"][name]), name
+
+
+def test_nested_compile_regions_with_param_groups(results):
+    per_rank = ok(results, "regions_param_groups")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    _assert_updated_inside_by_inductors_kernel(per_rank, kept=0)
+
+
+def test_sgd_momentum_with_clipping(results):
+    per_rank = ok(results, "sgd_momentum_clip")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    _assert_updated_inside_by_inductors_kernel(per_rank, kept=0)
