@@ -277,6 +277,13 @@ def input_placeholders(graph: fx.Graph) -> dict[int, fx.Node]:
     }
 
 
+def has_input_descriptors(graph: fx.Graph) -> bool:
+    """Whether AOTAutograd described `graph`'s inputs (`meta["desc"]` on its placeholders): true of the joint
+    graph it traces for a Dynamo graph, false of the body of a nested compile region, which it partitions
+    on its own (`_functorch/_aot_autograd/graph_compile.py`, invoke_subgraph)."""
+    return any(n.meta.get("desc") is not None for n in graph.nodes if n.op == "placeholder")
+
+
 def graph_fake_mode(graph: fx.Graph) -> Any:
     """The FakeTensorMode of the values AOTAutograd recorded on `graph`'s nodes (`node.meta["val"]`)."""
     from torch._guards import detect_fake_mode

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
-from aot.torch_dynamo import input_placeholders
+from aot.torch_dynamo import has_input_descriptors
 from ddp.bucketing.grad_buckets import GradBucketPlan
 from ddp.in_graph.graph_pass import UpdateSpec, add_accumulated, insert_bucketed_all_reduce
 
@@ -62,7 +62,7 @@ class InGraphPartitioner:
 
         kwargs.setdefault("compiler", "inductor")  # what Inductor passes, and min-cut's own default
         partition = base or min_cut_rematerialization_partition
-        if not input_placeholders(joint.graph):
+        if not has_input_descriptors(joint.graph):
             # The body of a nested compile region (invoke_subgraph). AOTAutograd partitions each body on its
             # own, with the same partition step, before the graph that calls it. Its inputs are the region's,
             # not the graph's (no input descriptors), and the gradients of the parameters it reads leave

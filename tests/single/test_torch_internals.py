@@ -844,6 +844,29 @@ def test_inline_nested_regions_calls_the_region_bodies_and_gives_the_same_gradie
             (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
 
 
+def test_region_bodies_reach_the_partition_step_without_input_descriptors():
+    """AOTAutograd partitions each nested region's body with the graph's own partition step, first: the
+    in-graph pass tells the bodies from the graph by its input descriptors."""
+    from functorch.compile import min_cut_rematerialization_partition
+
+    from aot import nop_compiler
+    from tests.multi_gpu.field_models import Regioned
+
+    with canary("aot/torch_dynamo.py:has_input_descriptors (invoke_subgraph bodies partitioned alone)"):
+        seen: list[bool] = []
+
+        def partition(joint, joint_inputs, **kwargs):
+            seen.append(torch_dynamo.has_input_descriptors(joint.graph))
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        torch._dynamo.reset()
+        backend = torch_dynamo.aot_autograd_backend(
+            fw_compiler=nop_compiler, bw_compiler=nop_compiler, partition_fn=partition
+        )
+        torch.compile(Regioned(), backend=backend)(torch.randn(4, 64)).sum().backward()
+        assert seen == [False, True], seen
+
+
 def test_an_ordered_graph_runs_eagerly_on_parameters_even_where_control_deps_had_no_autograd_kernel():
     """torch 2.11's `control_deps` had no Autograd kernel: an ordered backward run eagerly (aot_eager) on
     tensors that require grad raised. Simulated here by taking 2.13's kernel away; `order_after` puts one back."""
