@@ -42,6 +42,12 @@ def _job_first_step_s(job: dict[str, Any]) -> float:
     return max(r["first_step_s"] for r in job["ranks"])
 
 
+def _job_two_steps_s(job: dict[str, Any]) -> float | None:
+    """Seconds to the end of step 2 on the slowest rank (None: results without it, or a 1-step job)."""
+    values = [r.get("two_steps_s") for r in job["ranks"]]
+    return None if any(v is None for v in values) else max(values)
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -100,6 +106,8 @@ def aggregate_mode(jobs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     for kind in ("cold", "warm", "smoke"):
         of_kind = [j for j in timing if j["kind"] == kind]
         out[f"first_step_s_{kind}"] = _median([_job_first_step_s(j) for j in of_kind])
+        two = [_job_two_steps_s(j) for j in of_kind]
+        out[f"two_steps_s_{kind}"] = _median([v for v in two if v is not None]) if None not in two else None
         breakdown = first_step_breakdown(of_kind)
         if breakdown is not None:
             out.setdefault("first_step", {})[kind] = breakdown
@@ -214,6 +222,8 @@ def comparisons(modes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             for kind in ("cold", "warm", "smoke"):
                 key = f"first_step_s_{kind}"
                 row[f"first_step_{kind}_vs_peer"] = ratio(mine.get(key), theirs.get(key))
+                key = f"two_steps_s_{kind}"
+                row[f"two_steps_{kind}_vs_peer"] = ratio(mine.get(key), theirs.get(key))
             # compiles can move out of the first step (optimizer recompile at update 2, the optimizer-in-backward
             # variant): the whole warm-up's compile seconds keep such a mode honest
             row["warmup_compile_cold_vs_peer"] = ratio(_warmup_compile(mine, "cold"), _warmup_compile(theirs, "cold"))

@@ -161,7 +161,9 @@ def method_lines(cfg: dict[str, Any]) -> list[str]:
         "Inductor = lowering and codegen (cache loads on a warm cache) minus C++ compile; other = running the "
         "step and waiting for the other rank's compile. The median job's slowest rank is shown, so the "
         "columns add up. 'later warm-up compile s': compiles in warm-up steps 2.. (optimizer recompiles, "
-        "the optimizer-in-backward variant at update 2); see benchmarks/breakdown.py.",
+        "the optimizer-in-backward variant at update 2); see benchmarks/breakdown.py. 'to end of step 2, "
+        "cold / warm / peer': wall time of steps 1 and 2 (slowest rank) against the peer's, the start-up a user "
+        "waits for whichever step a mode compiles in.",
         "- steady peak RSS: VmHWM reset (`/proc/self/clear_refs`) right before the timed steps and read after "
         "them, per rank; in brackets, how far the timed steps raised it above the RSS at the reset (what the "
         "steps add, without the code and caches loaded before them); process peak RSS: the whole process "

@@ -211,6 +211,7 @@ COMPARISON_COLUMNS = [
     "cold 1st step / peer",
     "warm 1st step / peer",
     "cold warm-up compile / peer",
+    "to end of step 2, cold / warm / peer",
     "best PyTorch mode",
     "step ms / best PyTorch",
 ]
@@ -229,6 +230,7 @@ def comparison_table(data: dict[str, Any]) -> list[str]:
                     _fmt(c.get("first_step_cold_vs_peer"), ".2f"),
                     _fmt(warm, ".2f"),
                     _fmt(c.get("warmup_compile_cold_vs_peer"), ".2f"),
+                    f"{_fmt(c.get('two_steps_cold_vs_peer'), '.2f')} / {_fmt(c.get('two_steps_warm_vs_peer'), '.2f')}",
                     c.get("best_torch") or "-",
                     _fmt(c.get("step_ms_vs_best_torch"), ".2f"),
                 ]

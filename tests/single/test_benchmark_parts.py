@@ -545,15 +545,18 @@ def test_aggregate_and_tables_show_breakdown_memory_profiler_and_ratios():
 
     prof = {"measured": True, "median_overlap_percent": 70.0, "median_exposed_ms": 3.0, "tensor_peak_mb": 12.5}
     jobs = [
-        _job("t_cold", "cold", "torch_savvy", [_rank(20.0, 19.0), _rank(21.0, 19.5)]),
+        _job(
+            "t_cold", "cold", "torch_savvy", [_rank(20.0, 19.0, two_steps_s=21.0), _rank(21.0, 19.5, two_steps_s=22.0)]
+        ),
         _job("t_warm", "warm", "torch_savvy", [_rank(6.0, 5.0), _rank(6.5, 5.0)]),
         _job(
             "o_cold",
             "cold",
             "ours_step_in_backward",
             [
-                _rank(8.0, 7.0, steady_peak_rss_mb=400.0, profile=prof),
-                _rank(9.0, 7.5, steady_peak_rss_mb=410.0, profile=prof),
+                # its compile is at update 2: the first step is short, the second long
+                _rank(8.0, 7.0, steady_peak_rss_mb=400.0, profile=prof, two_steps_s=16.0),
+                _rank(9.0, 7.5, steady_peak_rss_mb=410.0, profile=prof, two_steps_s=15.0),
             ],
         ),
         _job("o_warm", "warm", "ours_step_in_backward", [_rank(2.0, 1.0), _rank(3.0, 1.0)]),
@@ -567,6 +570,8 @@ def test_aggregate_and_tables_show_breakdown_memory_profiler_and_ratios():
     assert row["peer"] == "torch_savvy" and row["first_step_cold_vs_peer"] == pytest.approx(9.0 / 21.0)
     assert row["first_step_warm_vs_peer"] == pytest.approx(3.0 / 6.5) and row["step_ms_vs_best_torch"] == 1.0
     assert row["warmup_compile_cold_vs_peer"] == pytest.approx(7.5 / 19.5)  # the slowest ranks' compile seconds
+    assert row["two_steps_cold_vs_peer"] == pytest.approx(16.0 / 22.0)  # slowest ranks, to the end of step 2
+    assert row["two_steps_warm_vs_peer"] is None  # the warm jobs' results do not have it: no ratio, no crash
     data = {
         "description": "d",
         "purpose": "p",
@@ -583,7 +588,7 @@ def test_aggregate_and_tables_show_breakdown_memory_profiler_and_ratios():
     }
     text = markdown_table({"workloads": {"w": data}}, "w")
     assert "| ours_step_in_backward | cold | 9.00 | 7.50 |" in text  # breakdown row: slowest rank of the cold job
-    assert "400/410" in text and "12.5/12.5" in text and "| 0.43 | 0.46 | 0.38 |" in text
+    assert "400/410" in text and "12.5/12.5" in text and "| 0.43 | 0.46 | 0.38 | 0.73 / - |" in text
     assert "| - / 70 | - / 3.0 |" in text  # no recorder in this job; the profiler's 70 % and 3.0 ms
 
 
