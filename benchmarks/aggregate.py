@@ -107,7 +107,7 @@ def aggregate_mode(jobs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
         of_kind = [j for j in timing if j["kind"] == kind]
         out[f"first_step_s_{kind}"] = _median([_job_first_step_s(j) for j in of_kind])
         two = [_job_two_steps_s(j) for j in of_kind]
-        out[f"two_steps_s_{kind}"] = _median([v for v in two if v is not None]) if None not in two else None
+        out[f"two_steps_s_{kind}"] = None if None in two else _median(two)
         breakdown = first_step_breakdown(of_kind)
         if breakdown is not None:
             out.setdefault("first_step", {})[kind] = breakdown
