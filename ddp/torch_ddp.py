@@ -375,3 +375,29 @@ def functional_all_reduce_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     import torch.distributed._functional_collectives as fcol
 
     return fcol.all_reduce(tensor, "sum", group)
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a functional collective names by `group_name`.
+
+    Mirrors `torch.distributed.distributed_c10d._resolve_process_group`, which the functional
+    collectives themselves use to turn the name in the graph back into a group at run time.
+    """
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def register_pending(tensor: torch.Tensor, wait: Callable[[], None]) -> None:
+    """Make `_c10d_functional.wait_tensor(tensor)` call `wait()` before it returns `tensor`.
+
+    Mirrors the functional collectives' work registry: `torch._C._distributed_c10d._register_work`
+    (`torch/csrc/distributed/c10d/Functional.cpp`: `wait_tensor` takes the work registered for the
+    tensor's storage and waits for it) and `PythonCallbackWork` (`CallbackWork.cpp`: its `wait(timeout)`
+    calls the Python callback, which returns whether it succeeded).
+    """
+    c10d = torch._C._distributed_c10d
+
+    def callback(timeout: Any) -> bool:
+        wait()
+        return True
+
+    c10d._register_work(tensor, c10d.PythonCallbackWork(callback))

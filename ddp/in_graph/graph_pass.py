@@ -45,6 +45,7 @@ import torch.fx as fx
 
 from aot.torch_dynamo import grad_outputs, graph_fake_mode, input_placeholders, save_for_backward
 from ddp.bucketing.grad_buckets import GradBucketPlan
+from ddp.in_graph.pair_exchange import PAIR_EXCHANGE
 from ddp.in_graph.update_op import BUCKET_UPDATE
 from ddp.torch_ddp import functional_all_reduce_ops
 from inductor.torch_inductor import order_after
@@ -133,7 +134,7 @@ class UpdateSpec:
 @dataclasses.dataclass
 class _Issued:
     members: list[tuple[int, fx.Node]]  # (output position, gradient node)
-    reduced: fx.Node  # the all_reduce node
+    reduced: fx.Node  # the all_reduce node (or pair_exchange's: the other rank's bucket, summed at the wait)
     index: int  # input indices follow `members`
     input_indices: list[int]
     dtype: torch.dtype  # the gradients' dtype (the wire may be narrower)
@@ -150,13 +151,16 @@ def insert_bucketed_all_reduce(
     forward: fx.GraphModule | None = None,
     updates: UpdateSpec | None = None,
     wire_dtype: torch.dtype | None = None,
+    pair_exchange: bool = False,
 ) -> list[str]:
     """Add one flat all-reduce per bucket of `plan` to `backward`; return, per bucket, the op it follows.
 
     With `updates` (and the partitioned `forward`, whose saved values may have to grow), each
     bucket's parameters are updated once its all-reduce lands, and their gradients are not returned.
     With `wire_dtype`, each bucket is cast to it, divided by the world size and all-reduced in it,
-    then cast back (the order of DDP's fp16/bf16 compress hooks).
+    then cast back (the order of DDP's fp16/bf16 compress hooks). With `pair_exchange` (a two-rank
+    gloo group), each bucket is exchanged with the other rank and summed by us instead
+    (ddp/in_graph/pair_exchange.py); the graph is otherwise the same.
     """
     graph = backward.graph
     builder = _Builder(graph)
@@ -188,7 +192,10 @@ def insert_bucketed_all_reduce(
             cursor = builder.after(cursor, _ops.div.Tensor, [cursor, float(world_size)])
             flat.append(cursor)
         cursor = builder.after(cursor, _ops.cat.default, [flat])
-        cursor = builder.after(cursor, _all_reduce, [cursor, "sum", group_name])
+        if pair_exchange:
+            cursor = builder.after(cursor, PAIR_EXCHANGE, [cursor, group_name])
+        else:
+            cursor = builder.after(cursor, _all_reduce, [cursor, "sum", group_name])
         issued.append(_Issued(members=members, reduced=cursor, index=len(issued), input_indices=present, dtype=dtype))
     if updates is None:
         # Waits as late as possible: just before the output that needs them.

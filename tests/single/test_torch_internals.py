@@ -226,6 +226,21 @@ def test_functional_all_reduce_ops_run_and_sum():
         torch.testing.assert_close(torch_ddp.functional_all_reduce_sum(t * 2, group) + 0, t * 2)
 
 
+def test_a_pending_wait_runs_inside_wait_tensor_once_and_groups_resolve_by_name():
+    with canary("ddp/torch_ddp.py:register_pending/resolve_group"):
+        group = torch.distributed.group.WORLD
+        assert torch_ddp.resolve_group(group.group_name) is group
+        _, wait_tensor = torch_ddp.functional_all_reduce_ops()
+        t = torch.zeros(3)
+        calls = []
+        torch_ddp.register_pending(t, lambda: (calls.append(1), t.add_(5)))
+        assert calls == []  # nothing runs before the wait
+        out = wait_tensor(t)
+        assert calls == [1] and torch.equal(out, torch.full((3,), 5.0))
+        wait_tensor(t)  # the work was taken by the first wait
+        assert calls == [1]
+
+
 # -- aot/torch_dynamo.py ----------------------------------------------------------------------------
 
 
