@@ -70,7 +70,9 @@ def inductor_compile(
 
     `partitioner` (a callable with a `uuid()`, taking `base=`: the user's own partitioner or None
     for min-cut) replaces the partition step, after Inductor's own joint-graph passes; its
-    `inductor_defaults()`, if it has one, are Inductor options for this compile unless the user set them.
+    `inductor_defaults()`, if it has one, are Inductor options for this compile unless the user set them;
+    its `inductor_requirements()` are options the graph is wrong without: they win, with a WARNING when
+    they overrule the user's.
     """
     patches = settings.config_patches()
     _no_buffer_reuse_for_repeated_regions(gm, patches)
@@ -78,6 +80,16 @@ def inductor_compile(
         patches.update(partitioner_patch(partitioner, partitioner.uuid(), patches))
         for name, value in getattr(partitioner, "inductor_defaults", dict)().items():
             patches.setdefault(name, value)  # the user's own options win
+        for name, value in getattr(partitioner, "inductor_requirements", dict)().items():
+            if name in patches and patches[name] != value:
+                log.warning(
+                    "compile_core: Inductor option %s=%r is overruled by %r for this graph: its in-graph "
+                    "reduction needs it (see the partitioner's inductor_requirements)",
+                    name,
+                    patches[name],
+                    value,
+                )
+            patches[name] = value
     return compile_fx_with(gm, example_inputs, on_graph=on_graph, config_patches=patches)
 
 

@@ -31,13 +31,13 @@ on two busy cores costs what it hides.
 Notes: both ranks issue their exchanges in the same order (the same graph), and gloo delivers the
 messages of one pair and tag in order, so bucket k pairs with bucket k. The graph's own last use of our
 bucket is the exchange: the wait holds it until the send is done and the sum has read it, so the graph
-must not hand its memory to another buffer meanwhile (`allow_buffer_reuse=False` for these graphs:
-`ddp/in_graph/partitioner.py`). The op reads the group at run time (its rank decides the peer), so
-every rank compiles the same graph and Inductor's cache serves one rank's compile to the other. An
-error in a transfer (a rank died, the group's timeout) is raised by the wait. Memory: until its wait,
-a bucket holds two buffers (ours and theirs) where the all-reduce held one (gloo's own scratch buffers
-are not torch tensors, and no profiler counts them). Used only for a group of
-exactly two ranks on gloo with CPU tensors (`use_pair_exchange`); any other group keeps
+must not hand its memory to another buffer meanwhile (`allow_buffer_reuse=False` for these graphs,
+over the user's options: `InGraphPartitioner.inductor_requirements`). The op reads the group at run
+time (its rank decides the peer), so every rank compiles the same graph and Inductor's cache serves one
+rank's compile to the other. An error in a transfer (a rank died, the group's timeout) is raised by the
+wait. Memory: until its wait, a bucket holds two buffers (ours and theirs) where the all-reduce held one
+(gloo's own scratch buffers are not torch tensors, and no profiler counts them). Used only for a group
+of exactly two ranks on gloo with CPU tensors (`use_pair_exchange`); any other group keeps
 `_c10d_functional.all_reduce`.
 
 Debugging: `TORCH_LOGS=output_code` shows `ddp_compile.pair_exchange` where an all_reduce would be;

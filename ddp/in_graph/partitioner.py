@@ -94,11 +94,16 @@ class InGraphPartitioner:
         every bucket-sized buffer stayed allocated to the end of the backward: the step's tensor peak
         was ours_step's (52.8 vs 53.2 MB, GPT d=384, 4 MiB buckets); without reuse 37.0 MB.
         """
-        if self.pair_exchange:
-            # A bucket is still sent, then read by the sum in its wait, after the graph's last use of it (the
-            # exchange): its memory must not be handed to a later buffer meanwhile (ddp/in_graph/pair_exchange.py).
-            return {"allow_buffer_reuse": False}
         return {"allow_buffer_reuse": False} if self.updates is not None else {}
+
+    def inductor_requirements(self) -> dict[str, Any]:
+        """Inductor options this graph is wrong without, whatever the user set.
+
+        With `pair_exchange`, a bucket is still being sent, then read by the sum in its wait, after the
+        graph's last use of it (the exchange): with buffer reuse Inductor could hand its memory to a later
+        buffer of the same size, such as the next bucket, while it is on the wire (ddp/in_graph/pair_exchange.py).
+        """
+        return {"allow_buffer_reuse": False} if self.pair_exchange else {}
 
     def uuid(self) -> str:
         plan = [(b.params, b.input_indices, b.nbytes, b.key) for b in self.plan.buckets]

@@ -106,6 +106,24 @@ def test_a_partitioners_inductor_defaults_apply_unless_the_user_set_them(monkeyp
     assert seen["allow_buffer_reuse"] is expected and "custom_partitioner_fn" in seen
 
 
+class _ExchangingPartitioner(_Partitioner):
+    def inductor_requirements(self) -> dict:
+        return {"allow_buffer_reuse": False}
+
+
+def test_a_partitioners_inductor_requirements_overrule_the_users_options_with_a_warning(monkeypatch, caplog):
+    import inductor.compilers as compilers
+
+    seen = {}
+    monkeypatch.setattr(compilers, "compile_fx_with", lambda gm, inputs, **kw: seen.update(kw["config_patches"]))
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    settings = InductorSettings(options={"allow_buffer_reuse": True})
+    with caplog.at_level("WARNING", logger="inductor.compilers"):
+        inductor_compile(gm, [torch.randn(1, 2)], settings=settings, partitioner=_ExchangingPartitioner())
+    assert seen["allow_buffer_reuse"] is False
+    assert any("allow_buffer_reuse=True is overruled" in r.getMessage() for r in caplog.records), caplog.text
+
+
 def test_the_in_graph_update_variant_asks_inductor_not_to_park_dead_buffers():
     from ddp.bucketing.grad_buckets import GradBucketPlan
     from ddp.in_graph.graph_pass import UpdateSpec
@@ -118,6 +136,10 @@ def test_the_in_graph_update_variant_asks_inductor_not_to_park_dead_buffers():
     )
     assert reduce_only.inductor_defaults() == {}
     assert updating.inductor_defaults() == {"allow_buffer_reuse": False}
+    # the two-rank exchange is read after the graph's last use of it: no reuse, whatever the user set
+    exchanging = InGraphPartitioner(plan, group_name="0", world_size=2, pair_exchange=True)
+    assert reduce_only.inductor_requirements() == {} and updating.inductor_requirements() == {}
+    assert exchanging.inductor_requirements() == {"allow_buffer_reuse": False}
 
 
 def _region_gpt(layers: int):
