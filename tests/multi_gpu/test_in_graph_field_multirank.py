@@ -50,6 +50,13 @@ def _in_graph(rank: int, script: Script, **kwargs) -> dict:
     return run_against_eager(script, rank, how="compile", ddp="in_graph", **kwargs)
 
 
+# DDP's delayed all-reduce: the head's and a middle layer's parameters are reduced together, from the hook
+# on the first layer's weight (the backward's last gradient), outside DDP's buckets. Only the refusal is
+# tested: DDP's hook never waits for that all-reduce (`_delayed_all_reduce_hook`, distributed.py), so on
+# gloo the eager script itself races its optimizer step against it (a 2-rank run under load differed)
+DELAYED = (("head.weight", "head.bias", "body.2.weight"), "body.0.weight")
+
+
 def _branch_on(first: int, last: int = 10**9):
     def before(model, step):
         model.use_extra = first <= step <= last
@@ -114,6 +121,17 @@ SCENARIOS = {
         _rank_branch_script(), r, how="compile", ddp="split", bucket_cap_mb=CAP_MB
     ),
     "rank_dependent_branch_in_graph": lambda r: _refused(lambda: _in_graph(r, _rank_branch_script())),
+    "delayed_all_reduce_in_graph": lambda r: _construction_refused(lambda: _in_graph(r, _script(delay=DELAYED))),
+    "delayed_all_reduce_in_backward": lambda r: _construction_refused(
+        lambda: run_against_eager(
+            _script(delay=DELAYED),
+            r,
+            how="train_step",
+            ddp="in_graph",
+            optimizer_in_backward=True,
+            bucket_cap_mb=CAP_MB,
+        )
+    ),
     "join_uneven_inputs_split": lambda r: _join(r, "split"),
     "join_uneven_inputs_in_graph": lambda r: _join(r, "in_graph"),
 }
@@ -134,6 +152,14 @@ def _refused(fn) -> dict:
     try:
         fn()
     except RankMismatchError as err:
+        return {"refused": str(err)}
+    return {"refused": ""}
+
+
+def _construction_refused(fn) -> dict:
+    try:
+        fn()
+    except ValueError as err:
         return {"refused": str(err)}
     return {"refused": ""}
 
@@ -286,6 +312,13 @@ def test_uneven_inputs_under_join_are_refused_by_name_in_graph_mode(results):
     """No collective mismatch (an abort on gloo, a hang on nccl): every rank refuses at its first forward."""
     for r in ok(results, "join_uneven_inputs_in_graph"):
         assert "join()" in r.get("refused", "") and "ddp='split'" in r["refused"], r
+
+
+def test_delayed_all_reduce_parameters_are_refused_by_name_in_graph_mode(results):
+    """The in-graph reduction cannot reduce those parameters at the hook's moment: it says so, with the fix."""
+    for name in ("delayed_all_reduce_in_graph", "delayed_all_reduce_in_backward"):
+        for r in ok(results, name):
+            assert "delayed all-reduce" in r["refused"] and "ddp='split'" in r["refused"], (name, r)
 
 
 def test_an_auxiliary_loss_on_a_model_parameter_is_reduced_whole(results):

@@ -51,6 +51,9 @@ class Script:
     ddp_kwargs: dict = dataclasses.field(default_factory=dict)
     ignore: tuple[str, ...] = ()
     """Parameters DDP is told to ignore (`_set_params_and_buffers_to_ignore_for_model`)."""
+    delay: tuple[tuple[str, ...], str] | None = None
+    """(parameters whose all-reduce DDP delays, the parameter whose gradient hook reduces them):
+    DDP's `delay_all_reduce_named_params` and `param_to_hook_all_reduce`, by name."""
     setup: Callable[[DDP], None] | None = None
     """Called on the DDP object right after wrapping (register a comm hook, ...)."""
     eager_setup: Callable[[DDP], None] | None = None
@@ -84,6 +87,10 @@ def _wrap(script: Script, module: nn.Module, group: Any, *, eager: bool) -> DDP:
     kwargs = dict(script.ddp_kwargs)
     if group is not None:
         kwargs["process_group"] = group
+    if script.delay is not None:
+        named = dict(module.named_parameters())
+        kwargs["delay_all_reduce_named_params"] = [(n, named[n]) for n in script.delay[0]]
+        kwargs["param_to_hook_all_reduce"] = named[script.delay[1]]
     ddp = wrap_ddp(module, **kwargs)
     if script.setup is not None:
         script.setup(ddp)
