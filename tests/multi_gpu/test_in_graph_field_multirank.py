@@ -121,8 +121,8 @@ SCENARIOS = {
         _rank_branch_script(), r, how="compile", ddp="split", bucket_cap_mb=CAP_MB
     ),
     "rank_dependent_branch_in_graph": lambda r: _refused(lambda: _in_graph(r, _rank_branch_script())),
-    "delayed_all_reduce_in_graph": lambda r: _construction_refused(lambda: _in_graph(r, _script(delay=DELAYED))),
-    "delayed_all_reduce_in_backward": lambda r: _construction_refused(
+    "delayed_all_reduce_in_graph": lambda r: _refused(lambda: _in_graph(r, _script(delay=DELAYED)), ValueError),
+    "delayed_all_reduce_in_backward": lambda r: _refused(
         lambda: run_against_eager(
             _script(delay=DELAYED),
             r,
@@ -130,7 +130,8 @@ SCENARIOS = {
             ddp="in_graph",
             optimizer_in_backward=True,
             bucket_cap_mb=CAP_MB,
-        )
+        ),
+        ValueError,
     ),
     "join_uneven_inputs_split": lambda r: _join(r, "split"),
     "join_uneven_inputs_in_graph": lambda r: _join(r, "in_graph"),
@@ -146,20 +147,14 @@ def _rank_branch_script() -> Script:
     return _script(make_model=Branchy, before_step=before, ddp_kwargs={"find_unused_parameters": True})
 
 
-def _refused(fn) -> dict:
+def _refused(fn, error: type[Exception] | None = None) -> dict:
+    """{"refused": the message} when `fn` raises `error` (default: the ranks' mismatch), else ""."""
     from ddp.agreement import RankMismatchError
 
+    expected = RankMismatchError if error is None else error
     try:
         fn()
-    except RankMismatchError as err:
-        return {"refused": str(err)}
-    return {"refused": ""}
-
-
-def _construction_refused(fn) -> dict:
-    try:
-        fn()
-    except ValueError as err:
+    except expected as err:
         return {"refused": str(err)}
     return {"refused": ""}
 
