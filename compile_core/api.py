@@ -1,4 +1,7 @@
-"""`compile_core.compile`: compile a (DDP) model through bucket-aligned pieces (docs/design.md).
+"""`compile_core.compile`: compile a (DDP) model in place, through bucket-aligned pieces (docs/design.md).
+
+The model handed in is the model handed back, compiled in place (compile_core/in_place.py); what the
+compile keeps is one `CompileState`, reachable as `model.compile_state`.
 
 We compile the module DDP wraps, never DDP's own forward (Dynamo cannot trace its bookkeeping, and
 skips torch.nn frames: `torch.compile(DDP(nn.Sequential(...)))` compiles nothing). The compiled
@@ -19,8 +22,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import DynamoError, call_uncompiled, install_compiled_call, installed_compiled_call, root_cause
+from compile_core import progress
 from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents
+from compile_core.in_place import CompiledModel, Detached, compile_in_place, detached_hook
 from compile_core.modes import ModeContext, make_mode
 from compile_core.pieces import PieceCompiler
 from compile_core.regions import apply_nested_regions
@@ -30,7 +35,6 @@ from ddp.bucketing import MiB
 from ddp.bucketing.auto_cap import AutoCap
 from ddp.in_graph import InGraphReducer
 from ddp.link_probe import auto_bucket_cap
-from launch.heartbeat import beat
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +58,21 @@ def compile(
     reduce_dtype: torch.dtype | None = None,
     nested_regions: bool = False,
 ) -> "CompiledModel":
-    """Compile `model` (a DDP model or a plain module); see docs/design.md for the contract."""
+    """Compile `model` (a DDP model or a plain module) in place and return it; see docs/design.md.
+
+    The result is `model` itself: its attributes, `.module`, `state_dict()` and `isinstance` checks are the
+    ones the script had; `model.report()` and `model.compile_state` are added."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"model must be a torch.nn.Module (or DistributedDataParallel), got {type(model).__name__}; "
             "wrap your function in an nn.Module or use torch.compile for plain functions"
         )
     if isinstance(model, CompiledModel):
-        raise TypeError("model is already compiled by compile_core.compile; pass the original model")
+        raise ValueError(
+            f"this {type(model).__name__} is already compiled by compile_core.compile (which compiles in place "
+            "and returns the same object): compile each model once, and hand the uncompiled DDP model to "
+            "compile_core.train_step (it compiles the model itself)"
+        )
     config = CompileConfig(
         backend=backend,
         ddp=ddp,
@@ -75,11 +86,13 @@ def compile(
         reduce_dtype=reduce_dtype,
         nested_regions=nested_regions,
     )
-    return CompiledModel(model, config)
+    state = CompileState(model, config)
+    compile_in_place(model, state)
+    return model
 
 
-class CompiledModel:
-    """Callable like the model; `report()` tells how it was compiled. Attributes delegate to the model."""
+class CompileState:
+    """Everything compiling one model keeps (the model itself is compiled in place; see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig) -> None:
         self._model = model
@@ -136,9 +149,9 @@ class CompiledModel:
             dynamic=config.dynamic,
             on_compiled=self._graph_compiled,
         )
-        install_compiled_call(inner, self._run_inner)
-        # Run around DDP's own forward, however the model is called (through us or directly).
-        model.register_forward_pre_hook(self._before_forward)
+        install_compiled_call(inner, Detached(self._run_inner, copied_as=None))
+        # Run around DDP's own forward, however the model is called.
+        model.register_forward_pre_hook(detached_hook(self._before_forward))
         self._mode.install(model, inner, self._events)
         log.info(
             "compile_core: %s compiled with backend=%s ddp=%s cap=%.3g MiB first=%.3g MiB",
@@ -173,6 +186,11 @@ class CompiledModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._model(*args, **kwargs)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model compiled in place (the object `compile_core.compile` returned)."""
+        return self._model
+
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
         """Forwards inside run as the user's eager model would: no compiled graph, no hook of the mode
@@ -186,7 +204,7 @@ class CompiledModel:
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         # Between iterations, before DDP's pre-forward: the only safe moment to swap DDP's reducer.
-        beat()  # progress, for a launcher watching for hangs (launch/heartbeat.py)
+        progress.report()  # for a launcher watching for hangs (compile_core/progress.py)
         if not self._eager:
             self._mode.before_forward()
         self._calls += 1
@@ -259,27 +277,18 @@ class CompiledModel:
         """The reducer of `ddp="in_graph"` mode (None in other modes)."""
         return self._mode.reducer
 
-    @property
-    def module(self) -> torch.nn.Module:
-        """The model that was compiled (the DDP object for a DDP model)."""
-        return self._model
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._model.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._model.load_state_dict(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._model, name)
-
     def __repr__(self) -> str:
         return (
-            f"CompiledModel(backend={self._config.backend_name!r}, ddp={self._mode.name!r}, "
+            f"CompileState(backend={self._config.backend_name!r}, ddp={self._mode.name!r}, "
             f"model={type(self._model).__name__})"
         )
+
+
+def state_of(model: torch.nn.Module) -> CompileState:
+    """The `CompileState` of a model `compile_core.compile` compiled (TypeError for any other model)."""
+    if not isinstance(model, CompiledModel):
+        raise TypeError(f"{type(model).__name__} is not compiled by compile_core.compile")
+    return model.compile_state
 
 
 def _entry_for(inner: torch.nn.Module) -> Callable[..., Any]:

@@ -19,8 +19,8 @@ import time
 from typing import Any, Callable, Iterator
 
 from aot.torch_dynamo import break_counters, compile_with_guard_hook, graph_break_of
+from compile_core import progress
 from compile_core.reuse.compile_once import say
-from launch.heartbeat import beat
 
 Backend = Callable[..., Callable[..., Any]]
 
@@ -87,7 +87,7 @@ class CompileEvents:
         """A backend that records each graph, then calls `backend`; `on_compiled(seconds)` after each."""
 
         def recorded(gm: Any, example_inputs: list) -> Callable[..., Any]:
-            beat("compile")  # a launcher watching for hangs gives compiles its long grace
+            progress.report("compile")  # a launcher watching for hangs gives compiles its long grace
             start = time.perf_counter()
             if self._graphs_at_call_start is None:  # compiled outside `call()`: fold right away
                 self._fold_guard_failures()

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from aot.torch_dynamo import pytorch_ddp_optimizer
 from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents
+from compile_core.in_place import detached_hook
 from compile_core.pieces import PieceCompiler
 from compile_core.report import CompileLog, GraphEntry
 from ddp import torch_ddp
@@ -154,6 +155,14 @@ class SplitMode(CompileMode):
             self.ctx.log.graphs.append(entry)
         self.alignment.record(self.ctx.calls(), graph)
 
+    def install(self, model: torch.nn.Module, inner: torch.nn.Module, events: CompileEvents) -> None:
+        if self.alignment.status == "pending":
+            model.register_forward_hook(detached_hook(self._after_forward))
+
+    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.ctx.eager():
+            self.alignment.after_forward(output)
+
     def before_forward(self) -> None:
         self.alignment.before_forward(self.ctx.calls())
 
@@ -249,7 +258,7 @@ class InGraphMode(CompileMode):
     def install(self, model: torch.nn.Module, inner: torch.nn.Module, events: CompileEvents) -> None:
         self._reducer.guard_variant_in(inner)
         events.expected_switch = self._reducer.first_call_in_variant
-        model.register_forward_hook(self._after_forward, always_call=True)
+        model.register_forward_hook(detached_hook(self._after_forward), always_call=True)
 
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self.ctx.eager():

@@ -82,6 +82,15 @@ class AgreementTimeouts:
                 raise ValueError(f"AgreementTimeouts.{name}={value!r}: expected a number of seconds > 0")
 
 
+@dataclasses.dataclass(frozen=True)
+class PostedValue:
+    """This rank's value of exchange `n` on `topic`, posted and not yet collected (`RankAgreement.post`)."""
+
+    topic: str
+    n: int
+    value: Any
+
+
 class RankAgreement:
     """Exchanges values between the ranks of `group` through the default store (see the Note)."""
 
@@ -95,14 +104,26 @@ class RankAgreement:
 
     def exchange(self, topic: str, value: Any, *, timeout_s: float | None = None) -> dict[int, Any]:
         """Every rank's value (global rank -> value); raises `RankTimeoutError` naming missing ranks."""
-        if len(self.ranks) == 1:
-            return {self.rank: value}
+        return self.collect(self.post(topic, value), timeout_s=timeout_s)
+
+    def post(self, topic: str, value: Any) -> PostedValue:
+        """Write this rank's value of the next exchange on `topic` and return at once; `collect` reads the
+        others' later. For a value every rank posts before a point all ranks pass (a collective), so that
+        collecting after that point never waits for a rank that needs this one to progress."""
         n = self._counts.get(topic, 0)
         self._counts[topic] = n + 1
+        if len(self.ranks) > 1:
+            torch_ddp.default_store().set(f"{self.prefix}/{topic}/{n}/{self.rank}", pickle.dumps(value))
+        return PostedValue(topic=topic, n=n, value=value)
+
+    def collect(self, posted: PostedValue, *, timeout_s: float | None = None) -> dict[int, Any]:
+        """Every rank's value of the exchange `posted` belongs to; raises `RankTimeoutError` naming missing ranks."""
+        topic, n = posted.topic, posted.n
+        if len(self.ranks) == 1:
+            return {self.rank: posted.value}
         timeout = timeout_s or (self.timeouts.first_timeout_s if n == 0 else self.timeouts.timeout_s)
         store = torch_ddp.default_store()
         base = f"{self.prefix}/{topic}/{n}"
-        store.set(f"{base}/{self.rank}", pickle.dumps(value))
         keys = {r: f"{base}/{r}" for r in self.ranks}
         others = [keys[r] for r in self.ranks if r != self.rank]
         try:

@@ -18,10 +18,20 @@ module a new `Reducer` whose buckets are exactly our plan (explicit `bucket_indi
 per-bucket caps for a later rebuild (`bucket_bytes_cap_list`, new in torch 2.13) are our buckets'
 byte totals. Gradients of one piece become ready together, so a rebuild from the observed ready
 order cuts at the same places. Comm hooks the user registered on the old reducer are registered again.
-Every rank must reduce the same buckets: before the second forward, on every rank whatever it
-compiled, the ranks exchange their layouts through the store (`ddp.agreement`: bounded, and a rank
-that never arrives is named) and all take the lowest rank's (DDP does the same when it rebuilds); a
-rank whose own plan differed is named in the report. If any rank cannot swap, none does.
+Every rank must reduce the same buckets, and no rank may wait for another where the user's eager
+script would not (rank 0 alone may evaluate, sample or log, with or without gradients, before the
+first step or between steps). So the ranks agree without a rendezvous of their own:
+  * the layout comes from the graphs compiled in the first forward with gradients enabled (a forward
+    under `no_grad` compiles graphs of its own that never reduce); right after that forward each rank
+    posts its layout to the store and goes on (`RankAgreement.post`: nothing waits);
+  * the swap happens at the first forward, of whatever kind, after this rank's first synchronising
+    backward ended. That backward all-reduced with every other rank, so every rank had finished its
+    layout forward and posted: reading the others' layouts (`collect`) waits for nothing that needs
+    this rank's progress, and its timeout only guards against a rank that is genuinely stuck. Every
+    rank swaps before its next synchronising backward, which is where DDP itself would rebuild its
+    buckets (a broadcast in its forward after the first synchronising backward);
+  * all ranks take the lowest rank's layout (as DDP's rebuild does); a rank whose own plan differed is
+    named in the report. If any rank cannot swap, none does.
 
 Notes: we leave the reducer alone (and say why in the report) when DDP is in a mode the swap cannot
 preserve: the python reducer, mixed precision, delayed all-reduce params, or a bucket that mixes
@@ -42,8 +52,9 @@ from typing import Any, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from aot.torch_dynamo import tree_leaves
 from ddp import torch_ddp
-from ddp.agreement import RankAgreement
+from ddp.agreement import PostedValue, RankAgreement
 from ddp.splitter import SplitGraph
 
 log = logging.getLogger(__name__)
@@ -103,6 +114,20 @@ def rebuild_reducer(ddp: DistributedDataParallel, layout: Sequence[Sequence[int]
     return frozen
 
 
+def arm_end_of_backward(output: Any, callback: Any) -> None:
+    """Run `callback` when the backward through `output` (a forward's result) has ended."""
+    armed = []
+
+    def hook(grad: torch.Tensor) -> None:
+        if not armed:
+            armed.append(True)
+            torch_ddp.queue_end_of_backward(callback)
+
+    for t in tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(hook)
+
+
 def planned_buckets(graphs: Sequence[SplitGraph]) -> list[list[torch.nn.Parameter]]:
     """Every bucket of `graphs` (compiled in one step, in forward order), in backward order.
 
@@ -123,8 +148,9 @@ def planned_buckets(graphs: Sequence[SplitGraph]) -> list[list[torch.nn.Paramete
 class ReducerAlignment:
     """The reducer swap of one compiled DDP model, as an explicit state (see the Note above).
 
-    Graphs are recorded as the splitter compiles them; `before_forward` swaps the reducer once,
-    before the first forward that follows a compiling step.
+    Graphs are recorded as the splitter compiles them; `after_forward` posts this rank's layout after
+    the first forward with gradients, and `before_forward` swaps the reducer once, at the first forward
+    after a synchronising backward ended.
     """
 
     ddp: DistributedDataParallel | None
@@ -143,6 +169,14 @@ class ReducerAlignment:
     """Facts worth a line in the report (ranks that planned differently, late graphs)."""
     agreement: RankAgreement | None = None
     """How the ranks exchange their layouts (None: a single process, nothing to exchange)."""
+    layout_forward: int | None = None
+    """The forward (numbered from 1) whose graphs give the layout: the first with gradients enabled."""
+    posted: PostedValue | None = None
+    """This rank's layout, once posted for the other ranks."""
+    synced: bool = False
+    """True once a synchronising backward (DDP all-reduced) ended on this rank."""
+    _forward: int = 0
+    _sync_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -161,29 +195,56 @@ class ReducerAlignment:
             self.notes.append(f"{graph.name} (compiled at step {step}) has pieces that are not DDP buckets: {stray}")
 
     def before_forward(self, step: int) -> None:
-        """Swap once, before the second forward (`step` counts earlier forwards).
+        """Before DDP's forward number `step + 1` (`step` counts earlier forwards): swap if this rank's first
+        synchronising backward has ended (see the Note), else note what kind of forward this is."""
+        self._forward = step + 1
+        if self.status != "pending":
+            return
+        if self.synced:
+            self._align(self._forward)
+            return
+        grad = torch.is_grad_enabled()
+        if grad and self.layout_forward is None:
+            self.layout_forward = self._forward
+        self._sync_forward = grad and bool(self.ddp.require_backward_grad_sync)
 
-        Every rank runs the same forwards, so every rank takes part, whatever it compiled (a rank
-        that compiled nothing offers an empty plan, and the exchange names it).
-        """
-        if self.status == "pending" and step == 1:
-            self._align(step)
+    def after_forward(self, output: Any) -> None:
+        """After DDP's forward: post the layout once its forward is done; until a synchronising backward
+        has ended, arm a callback at the end of this forward's backward if it synchronises."""
+        if self.status != "pending":
+            return
+        if self.posted is None and self._forward == self.layout_forward:
+            self._post()
+        if self._sync_forward and not self.synced:
+            self._sync_forward = False
+            arm_end_of_backward(output, self._backward_synced)
 
-    def first_step_graphs(self) -> list[SplitGraph]:
-        first = self.graphs[0][0]
-        return [g for step, g in self.graphs if step == first]
+    def _backward_synced(self) -> None:
+        self.synced = True
+
+    def _post(self) -> None:
+        buckets = planned_buckets(self.layout_graphs())
+        offer = (alignment_blocker(self.ddp, buckets), local_layout(self.ddp, buckets))
+        self.posted = (
+            self.agreement.post("bucket layout", offer)
+            if self.agreement is not None
+            else PostedValue(topic="bucket layout", n=0, value=offer)
+        )
+
+    def layout_graphs(self) -> list[SplitGraph]:
+        """The graphs of the layout forward (what the first forward with gradients compiled)."""
+        return [g for step, g in self.graphs if step == self.layout_forward]
 
     def planned_names(self) -> list[list[str]]:
-        """Planned buckets of the first compiling step, in backward order, as user names."""
-        return [[self.names[id(p)] for p in b] for b in planned_buckets(self.first_step_graphs())]
+        """Planned buckets of the layout forward, in backward order, as user names."""
+        return [[self.names[id(p)] for p in b] for b in planned_buckets(self.layout_graphs())]
 
     def _align(self, step: int) -> None:
-        buckets = planned_buckets(self.first_step_graphs()) if self.graphs else []
-        blocker = alignment_blocker(self.ddp, buckets)
-        layout = local_layout(self.ddp, buckets)
-        offers = {0: (blocker, layout)}
-        if self.agreement is not None:
-            offers = self.agreement.exchange("bucket layout", (blocker, layout))
+        if self.posted is None:  # the layout forward raised before its end: post what it compiled
+            self._post()
+        assert self.posted is not None
+        blocker = self.posted.value[0]
+        offers = {0: self.posted.value} if self.agreement is None else self.agreement.collect(self.posted)
         blocked = {r: b for r, (b, _) in sorted(offers.items()) if b is not None}
         if blocked:
             # One rank that cannot swap means none may: all ranks must reduce the same buckets.
@@ -198,7 +259,7 @@ class ReducerAlignment:
         params, _ = torch_ddp.reducer_params(self.ddp)
         self.buckets = [frozenset(self.names[id(params[i])] for i in b) for b in chosen]
         self.status = "aligned"
-        self.detail = f"DDP reducer uses our {len(chosen)} bucket(s) from step {step + 1}"
+        self.detail = f"DDP reducer uses our {len(chosen)} bucket(s) from forward {step}"
         if not frozen:
             why = (
                 "find_unused_parameters keeps DDP from rebuilding"

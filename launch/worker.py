@@ -74,6 +74,11 @@ def _write_rank_file() -> None:
         pass  # a convenience for the failure report; never stop the rank over it
 
 
+PROGRESS_LISTENERS_ENV = "COMPILE_CORE_PROGRESS_LISTENERS"
+"""compile_core.progress.LISTENERS_ENV (a unit test checks that they are equal; we import nothing of the library)."""
+HEARTBEAT_LISTENER = "launch.heartbeat:beat"
+"""Our listener: each progress report of the library is a heartbeat (its phase picks the watchdog's grace)."""
+
 _stack_file = None  # kept open for the process lifetime: faulthandler writes to its descriptor
 
 
@@ -85,6 +90,11 @@ def _start_heartbeat() -> None:
     directory = os.environ.get(heartbeat.HEARTBEAT_DIR_ENV)
     if not directory or heartbeat.start() is None:
         return
+    # The compile library reports its progress (and the start of each long compile) to the listeners this
+    # variable names; we never import the library, it never imports us (compile_core/progress.py).
+    listeners = [s for s in os.environ.get(PROGRESS_LISTENERS_ENV, "").split(",") if s.strip()]
+    if HEARTBEAT_LISTENER not in listeners:
+        os.environ[PROGRESS_LISTENERS_ENV] = ",".join([*listeners, HEARTBEAT_LISTENER])
     try:
         _stack_file = open(heartbeat.stack_path(directory, int(os.environ.get("RANK", "0"))), "w")
     except OSError as exc:

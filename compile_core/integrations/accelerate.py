@@ -7,11 +7,9 @@
     ...  loss = loss_fn(model(x), y); accelerator.backward(loss); optimizer.step()  ...
     print(compiled.report())
 
-The prepared model is compiled in place (as `nn.Module.compile()` does): calling it runs the compiled
+The prepared model is compiled in place and returned (`compiled is model`): calling it runs the compiled
 pieces, and it stays the object accelerate's helpers take (`accumulate`, `no_sync`, `unwrap_model`,
-`save_model`, `get_state_dict`; checkpoint keys are unchanged). The returned `CompiledModel` is the
-same model behind `compile_core`'s API: callable, with `report()`. Pass `model`, not the returned
-object, to accelerate's helpers: they inspect nn.Module internals that `CompiledModel` does not have.
+`save_model`, `get_state_dict`; checkpoint keys are unchanged), with `report()` added.
 """
 
 from __future__ import annotations
@@ -41,7 +39,8 @@ _DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 def compile(accelerator: Accelerator, model: torch.nn.Module, **options: Any) -> compile_core.CompiledModel:
-    """Compile `model` (what `accelerator.prepare` returned) in place with `compile_core.compile(**options)`."""
+    """Compile `model` (what `accelerator.prepare` returned) in place with `compile_core.compile(**options)`;
+    returns `model` itself."""
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
     config = as_compile_config(options, argument="compile_core.integrations.accelerate.compile(...)")

@@ -150,7 +150,7 @@ class DDPCompileStrategy(DDPStrategy):
 
     @property
     def compiled_model(self) -> compile_core.CompiledModel | None:
-        """The `CompiledModel` of the latest fit (None before the first fit sets the model up)."""
+        """The DDP model of the latest fit, compiled in place (None before the first fit sets the model up)."""
         return self._compiled
 
     def compile_report(self) -> CompileReport:
@@ -186,7 +186,7 @@ class FabricDDPCompileStrategy(FabricDDPStrategy):
 
     @property
     def compiled_models(self) -> list[compile_core.CompiledModel]:
-        """One `CompiledModel` per module set up through `fabric.setup`, in order."""
+        """Each DDP model set up through `fabric.setup`, compiled in place, in order."""
         return list(self._compiled)
 
     def compile_report(self) -> CompileReport:

@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from aot.structure import structural_key
 from aot.torch_dynamo_cache import AotCache
+from compile_core import progress
 from compile_core.reuse.claims import CompileClaims, Holder, WaitEnd
 from compile_core.reuse.idle_work import run_offered
 from compile_core.reuse.piece_records import Compiled, Job, PieceRecord, Wait
@@ -69,7 +70,6 @@ from compile_core.reuse.store_claims import StoreClaims
 from ddp import torch_ddp
 from ddp.agreement import env_seconds
 from inductor.torch_inductor import cache_dir
-from launch.heartbeat import beat
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class CompileOnce:
     ) -> Compiled:
         """Compile one job; `wait`: how waiting for another rank's claim ended; `local`: this node
         compiled it before (Note [Compile once], step 3)."""
-        beat("compile")  # a launcher watching for hangs gives compiles their long grace
+        progress.report("compile")  # a launcher watching for hangs gives compiles their long grace
         if wait is not None and wait.meta.get("pair") is not None and key is not None:
             self._write_pair_sizes(key, wait.meta["pair"])  # shipped with the compile: kept for the cache hit
         start = time.perf_counter()

@@ -57,6 +57,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import DynamoError, cause_chain
+from compile_core import progress
 from compile_core.events import CompileEvents
 from compile_core.reuse import idle_work
 from compile_core.reuse.compile_once import job_rank
@@ -70,7 +71,6 @@ from compile_core.step.report import OptimizerReport, TrainStepReport
 from compile_core.step.update import CompiledUpdate, chunking_blocker, clip_and_step
 from ddp.in_graph.probe import eager_outside_producers
 from inductor.torch_inductor import disk_caches_enabled
-from launch.heartbeat import beat
 
 UPDATE_OFFER = "optimizer update (ahead of update 1)"
 """The name of the offer `_offer_update_compile` makes (compile_core/reuse/idle_work.py)."""
@@ -100,9 +100,11 @@ class TrainStep:
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler
         self.compiled_model = _compile_model(model, config)
-        if getattr(self.compiled_model, "in_graph", None) is not None:
+        """`model` itself, compiled in place (compile_core/in_place.py)."""
+        self._compiled = self.compiled_model.compile_state
+        if self._compiled.in_graph is not None:
             # nothing touches .grad between our forward and backward: accumulate inside the graph
-            self.compiled_model.in_graph.accumulate_in_graph = True
+            self._compiled.in_graph.accumulate_in_graph = True
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device_type = _device_type(model)
@@ -128,7 +130,7 @@ class TrainStep:
         if config.optimizer_in_backward:
             self._in_backward = InBackwardController(
                 optimizer,
-                self.compiled_model.in_graph,
+                self._compiled.in_graph,
                 clip_max_norm=config.clip_grad_norm,
                 blocker=config.in_backward_blocker(grad_scaler=grad_scaler is not None, device_type=self._device_type),
                 compile_kernel=update_kernel_compiler(self.config.backend, self._opt_events),
@@ -140,7 +142,7 @@ class TrainStep:
     def __call__(self, *args: Any, target: Any = NO_TARGET) -> torch.Tensor:
         """`step(*inputs, target)` or `step(*inputs, target=target)`: one micro-batch."""
         inputs, target = split_args(args, target)
-        beat()  # progress, for a launcher watching for hangs (launch/heartbeat.py)
+        progress.report()  # for a launcher watching for hangs (compile_core/progress.py)
         sync = self.pending_micro_batches == self.config.accum_steps - 1
         if sync and self._in_backward is not None:
             self._in_backward.before_sync_step(self._updates + 1)  # this update's scalars (the scheduler's lr, betas)
@@ -158,7 +160,7 @@ class TrainStep:
         skip_sync = self._ddp.no_sync() if (self._ddp is not None and not sync) else contextlib.nullcontext()
         # Update 1 with the optimizer in the backward: eager DDP (see `_eager_first_update`).
         eager = self._eager_first_update()
-        with skip_sync, self.compiled_model.eager() if eager else contextlib.nullcontext():
+        with skip_sync, self._compiled.eager() if eager else contextlib.nullcontext():
             with self._autocast():
                 output = self.compiled_model(*inputs)
                 loss = self.loss_fn(output, target)
@@ -170,7 +172,7 @@ class TrainStep:
                 self._outside |= eager_outside_producers(output, scaled)
             scaled.backward()
         if eager and sync:
-            self.compiled_model.in_graph.after_eager_step(self._outside)
+            self._compiled.in_graph.after_eager_step(self._outside)
         return loss.detach()
 
     def _eager_first_update(self) -> bool:
@@ -335,7 +337,7 @@ class TrainStep:
 
     # -- introspection ----------------------------------------------------------------------------
     def report(self) -> TrainStepReport:
-        model_report = self.compiled_model.report() if hasattr(self.compiled_model, "report") else None
+        model_report = self._compiled.report()
         backend = (
             self.config.backend
             if isinstance(self.config.backend, str)

@@ -25,9 +25,10 @@ Algorithm, per forward of the DDP model:
   * after DDP's forward, its flags are restored as its own forward would leave them. Then the
     graphs this rank ran (their buckets, by parameter name) are compared with the last set all
     ranks agreed on; when they differ (the first step, a new graph, a rank that took another
-    branch), the ranks agree again through the store before any collective of the backward,
-    and that backward is probed for gradients from outside the graphs (ddp/in_graph/probe.py).
-    In steady state nothing is exchanged and nothing is probed.
+    branch), the coming backward is probed for gradients from outside the graphs
+    (ddp/in_graph/probe.py), and when that backward begins, before any of its collectives, the ranks
+    agree again through the store. Not at the forward: a forward some ranks run alone (evaluation on
+    rank 0) must not wait for the others. In steady state nothing is exchanged and nothing is probed.
   * a hook on the forward's outputs queues one end-of-backward callback: it reduces what the graphs
     did not reduce alone (ddp/in_graph/leftovers.py) and puts back accumulated gradients no graph
     consumed.
@@ -113,6 +114,7 @@ class InGraphReducer:
         self._covered: list[frozenset[int]] = []  # param ids reduced in-graph, per graph run this step
         self._updated: set[int] = set()  # param ids updated inside this step's backward
         self._graphs_run = GraphsAgreement(agreement)  # the graphs every rank ran, as last agreed
+        self._signature: tuple = ()  # the graphs this rank's last synchronising forward ran
         self._compiled_this_step = False  # a compile may keep other ranks busy: wait longer for them
         self._seen_variants: set[str] = set()
         self._new_variant = False
@@ -199,8 +201,10 @@ class InGraphReducer:
         self.graphs_last_step = len(runs)
         self._covered = [covered for _, covered, _, _ in runs]
         self._updated = set().union(*(updated for _, _, updated, _ in runs))
-        signature = tuple(entry for entry, _, _, _ in runs)
-        if self._graphs_run.agree(signature, compiled_this_step=self._compiled_this_step):
+        self._signature = tuple(entry for entry, _, _, _ in runs)
+        if self._graphs_run.changed(self._signature):
+            # Probed on this rank's own judgement (the signature the ranks last agreed on is the same on
+            # every rank); the ranks agree when the backward begins, not here (see `_queue_finish`).
             probed = {i for covered in self._covered for i in covered if i not in self.after}
             self._probe = OutsideGradientProbe([out for *_, out in runs], [self._by_id[i] for i in probed])
         self._armed = False
@@ -211,6 +215,10 @@ class InGraphReducer:
     def _queue_finish(self, grad: torch.Tensor) -> None:
         if not self._armed:
             self._armed = True
+            # The backward begins and no compiled graph's backward (none of its collectives) has run yet:
+            # the ranks agree on the graphs here, where eager DDP synchronises too, and not after the
+            # forward, which some ranks may run alone (evaluation on rank 0, with or without gradients).
+            self._graphs_run.agree(self._signature, compiled_this_step=self._compiled_this_step)
             if not self.accumulate_in_graph:
                 # The backward begins (no compiled graph has run yet): a gradient already held here
                 # was accumulated (and not zeroed since the forward); autograd adds this step's

@@ -56,12 +56,16 @@ class GraphsAgreement:
         self.agreement = agreement
         self.agreed: Signature | None = None
 
+    def changed(self, signature: Signature) -> bool:
+        """Whether `signature` differs from the last agreed one (the ranks will exchange on it)."""
+        return signature != self.agreed
+
     def agree(self, signature: Signature, *, compiled_this_step: bool) -> bool:
         """Agree on `signature` unless it is the last agreed one; True when the ranks exchanged.
 
         A step that compiled waits `first_timeout_s` for the others (they may still be compiling).
         """
-        if signature == self.agreed:
+        if not self.changed(signature):
             return False
         timeouts = self.agreement.timeouts
         wait = timeouts.first_timeout_s if compiled_this_step else timeouts.timeout_s

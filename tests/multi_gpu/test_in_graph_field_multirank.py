@@ -213,8 +213,8 @@ def _long_run(rank: int, steps: int = 1000) -> dict:
     return {
         "keys": keys,
         "step_seconds": step_seconds,
-        "exchanges": dict(compiled.in_graph.agreement._counts),
-        "leftovers": compiled.in_graph.last_leftovers,
+        "exchanges": dict(compiled.compile_state.in_graph.agreement._counts),
+        "leftovers": compiled.compile_state.in_graph.last_leftovers,
     }
 
 

@@ -270,3 +270,23 @@ def test_no_import_cycles_between_library_modules():
 def test_the_cycle_check_finds_a_circle():
     graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": {"a.x"}}
     assert import_cycles(graph) == [["a.x", "a.y", "a.z"]]
+
+
+def test_the_library_never_imports_the_launcher():
+    """`launch` stands beside the compile stack: the library reports progress through compile_core/progress.py,
+    which a launcher subscribes to by name, and never imports `launch` itself."""
+    graph = import_graph(_library_files())
+    wrong = sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if not m.startswith("launch")
+        for t in targets
+        if t == "launch" or t.startswith("launch.")
+    )
+    assert not wrong, "; ".join(wrong)
+
+
+def test_the_launcher_import_check_sees_an_import():
+    files = {"compile_core/x.py": ast.parse("from launch.heartbeat import beat"), "launch/heartbeat.py": ast.parse("")}
+    graph = import_graph(files)
+    assert graph["compile_core.x"] == {"launch.heartbeat"}

@@ -1,0 +1,111 @@
+"""Compiling a model in place: the model handed to `compile_core.compile` is the model handed back.
+
+A script that wrapped its DDP model in `torch.compile` reads and writes attributes of what it got back
+(`model.module` for checkpoints, `model.require_backward_grad_sync` for accumulation, `no_sync()`, `join()`),
+checks `isinstance(model, DistributedDataParallel)` and saves `state_dict()`. So we do not hand back a
+wrapper: the model's class becomes a subclass of its own class with `CompiledModel` mixed in (same name,
+same behaviour, plus `report()` and `compile_state`), and what the compile keeps is one `CompileState`
+stored on the instance. A copy of the model (`copy.deepcopy`, pickling) is the plain eager model again:
+its class is the user's, and what we attached to its modules (the compiled call, our forward hooks) copies
+as nothing (`Detached`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from compile_core.report import CompileReport
+
+log = logging.getLogger(__name__)
+
+
+class CompiledModel:
+    """What `compile_core.compile` mixes into the class of the model it compiles in place.
+
+    `isinstance(model, compile_core.CompiledModel)` tells whether a model is compiled by us; every other
+    attribute is the model's own (`.module` of a DDP model is the user's module, DDP's flags are DDP's)."""
+
+    __slots__ = ()
+
+    @property
+    def compile_state(self) -> Any:  # compile_core.api.CompileState (api imports this module)
+        """What compiling this model keeps: the mode, the compiled entry, the log behind `report()`."""
+        state = self.__dict__.get(_STATE_ATTR)
+        if state is None:  # a class swapped by hand, or a state lost in a copy
+            raise RuntimeError(f"this {type(self).__name__} has no compile state: compile it with compile_core.compile")
+        return state
+
+    def report(self) -> CompileReport:
+        """How the model was compiled: graphs, pieces, buckets (user names), breaks, fallbacks."""
+        return self.compile_state.report()
+
+
+_STATE_ATTR = "_compile_core_state"
+_COMPILED_CLASSES: dict[type, type] = {}
+
+
+def compile_in_place(model: torch.nn.Module, state: Any) -> None:
+    """Attach `state` to `model` and mix `CompiledModel` into its class (see the module docstring)."""
+    base = type(model)
+    cls = _COMPILED_CLASSES.get(base)
+    if cls is None:
+        # The user's class comes first: a method of theirs named `report` keeps its meaning (the report is
+        # then `model.compile_state.report()`). Same name and module, so reprs and logs read as before.
+        cls = type(
+            base.__name__,
+            (base, CompiledModel),
+            {"__module__": base.__module__, "__qualname__": base.__qualname__, "__reduce_ex__": _reduce_as_base},
+        )
+        _COMPILED_CLASSES[base] = cls
+    if getattr(base, "report", None) is not None:
+        log.warning(
+            "compile_core: %s has its own `report`; the compile report is model.compile_state.report()", base.__name__
+        )
+    model.__dict__[_STATE_ATTR] = state
+    model.__class__ = cls
+
+
+def _reduce_as_base(self: Any, protocol: int) -> Any:
+    # copy.deepcopy and pickle rebuild the user's own class without our state: a copy is the eager model
+    # (its module's compiled call and our hooks copy as nothing, see `Detached`).
+    rv = list(object.__reduce_ex__(self, protocol))
+    base = next(c for c in type(self).__mro__[1:] if c is not CompiledModel and not issubclass(c, CompiledModel))
+    if len(rv) > 1 and rv[1] and rv[1][0] is type(self):
+        rv[1] = (base, *rv[1][1:])
+    if len(rv) > 2 and isinstance(rv[2], dict):
+        rv[2] = {k: v for k, v in rv[2].items() if k != _STATE_ATTR}
+    return tuple(rv)
+
+
+class Detached:
+    """A callable we attach to the user's modules (the compiled call, forward hooks). A copy of the module
+    gets `copied_as` in its place (None: no compiled call; a no-op hook), never our state."""
+
+    def __init__(self, fn: Callable[..., Any], *, copied_as: Callable[..., Any] | None) -> None:
+        self.fn = fn
+        self.copied_as = copied_as
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self.copied_as
+
+    def __reduce__(self) -> Any:
+        return (_return, (self.copied_as,))
+
+
+def _return(value: Any) -> Any:
+    return value
+
+
+def _no_op_hook(*args: Any) -> None:
+    return None
+
+
+def detached_hook(fn: Callable[..., Any]) -> Detached:
+    """`fn` as a module hook that a copy of the module drops (a no-op there)."""
+    return Detached(fn, copied_as=_no_op_hook)
