@@ -16,6 +16,9 @@ The exchange goes through the store,
 not through a collective of the group, so a rank that enters it alone cannot be paired with
 another rank's all-reduce: it times out, and the error lists the ranks whose key never came.
 Values that differ raise an error naming each rank that differs from the lowest rank and how.
+`exchange` is `post` (write, return at once) followed by `collect` (wait for the others): a caller that
+can post at one point and collect at a later one, after a collective every rank passes, never waits
+for a rank that is busy somewhere the user's script does not synchronise (Note [Bucket alignment]).
 
 Notes: timeouts: `first_timeout_s` for the first exchange of a topic (ranks may still be compiling:
 the default is long), `timeout_s` after. Both come from `AgreementTimeouts`, whose defaults can be
