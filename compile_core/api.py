@@ -30,6 +30,7 @@ from compile_core.modes import ModeContext, make_mode
 from compile_core.pieces import PieceCompiler
 from compile_core.regions import apply_nested_regions
 from compile_core.report import CompileLog, CompileReport
+from compile_core.reuse.idle_work import IdleWork
 from ddp.agreement import RankAgreement, RankAgreementError
 from ddp.bucketing import MiB
 from ddp.bucketing.auto_cap import AutoCap
@@ -114,6 +115,8 @@ class CompileState:
                 else "nested_regions=True: no repeated blocks found in the parameter names (nothing marked)"
             )
         self._events = CompileEvents()
+        self.idle_work = IdleWork()
+        """What a train step offers this model's compile to do while it waits for another rank's."""
         self._calls = 0
         self._eager = False
         self._agreement = (
@@ -134,7 +137,7 @@ class CompileState:
                 names={id(p): n for n, p in inner.named_parameters()},
                 config=config,
                 log=self._log,
-                pieces=PieceCompiler(config, self._log),
+                pieces=PieceCompiler(config, self._log, self.idle_work),
                 agreement=self._agreement,
                 cap_bytes=cap,
                 first_cap_bytes=first,

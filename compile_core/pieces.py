@@ -20,6 +20,7 @@ from aot.torch_dynamo_cache import CacheOutcome, watch_caches
 from compile_core.config import CompileConfig
 from compile_core.report import CompileLog
 from compile_core.reuse.compile_once import Compiled, CompileOnce, Job
+from compile_core.reuse.idle_work import IdleWork
 from inductor import inductor_compile
 from inductor.torch_inductor import disk_caches_enabled
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 class PieceCompiler:
     """`(graph, example_inputs, name) -> (compiled callable, whether AOTAutograd ran)`, with fallbacks."""
 
-    def __init__(self, config: CompileConfig, compile_log: CompileLog) -> None:
+    def __init__(self, config: CompileConfig, compile_log: CompileLog, idle_work: IdleWork | None = None) -> None:
         self.config = config
         self.log = compile_log
         named = isinstance(config.backend, str) and config.backend != "eager"
@@ -38,6 +39,7 @@ class PieceCompiler:
             claims=config.backend == "inductor" and disk_caches_enabled(),
             records=compile_log.pieces,
             lock=compile_log.lock,
+            idle_work=idle_work,
         )
 
     def __call__(

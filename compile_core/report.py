@@ -213,9 +213,8 @@ class CompileReport:
             ig = self.in_graph
             wire = f", wire dtype {ig['reduce_dtype']}" if ig.get("reduce_dtype") else ""
             hook = f", comm hook {ig['comm_hook']}" if ig.get("comm_hook") else ""
-            how = " (two ranks: exchange, then sum)" if ig.get("algorithm") == "pair_exchange" else ""
             out.append(
-                f"  in-graph reduction: by the {ig['reducer']}{how}{hook}{wire}"
+                f"  in-graph reduction: by the {ig['reducer']}{hook}{wire}"
                 + (f" ({ig['reason']})" if ig.get("reason") else "")
             )
             if ig.get("outside_graph"):

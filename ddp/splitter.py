@@ -39,7 +39,6 @@ import dataclasses
 import logging
 import operator
 from typing import Any, Callable, Mapping
-from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -298,8 +297,13 @@ class _FakeRun(fx.Interpreter):
         args = [self._fake(a) for a in args]
         submod = self.fetch_attr(str(n.target))
         single = _returns_tuple(submod)
-        with self.fake_mode, mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
-            out = submod(*args)
+        # Real tensors (a piece's constants) may meet fake ones in here, for this call only.
+        allowed, self.fake_mode.allow_non_fake_inputs = self.fake_mode.allow_non_fake_inputs, True
+        try:
+            with self.fake_mode:
+                out = submod(*args)
+        finally:
+            self.fake_mode.allow_non_fake_inputs = allowed
         name = f"{self.graph_name}.piece_{len(self.pieces)}"
         self.pieces.append(_PieceRun(node=n, submod=submod, args=list(args), single=single, name=name, outputs=out))
         return out[0] if single else out

@@ -64,7 +64,7 @@ from aot.structure import structural_key
 from aot.torch_dynamo_cache import AotCache
 from compile_core import progress
 from compile_core.reuse.claims import CompileClaims, Holder, WaitEnd
-from compile_core.reuse.idle_work import run_offered
+from compile_core.reuse.idle_work import IdleWork
 from compile_core.reuse.piece_records import Compiled, Job, PieceRecord, Wait
 from compile_core.reuse.store_claims import StoreClaims
 from ddp import torch_ddp
@@ -114,8 +114,18 @@ def say(message: str, *args: Any) -> None:
 class CompileOnce:
     """Reuse, claims and records for one compiled model (see the Note)."""
 
-    def __init__(self, *, reuse: bool, claims: bool, records: list[PieceRecord], lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        *,
+        reuse: bool,
+        claims: bool,
+        records: list[PieceRecord],
+        lock: threading.Lock,
+        idle_work: IdleWork | None = None,
+    ) -> None:
         self.reuse = reuse
+        self.idle_work = idle_work or IdleWork()
+        """What this rank may compile while it waits for another rank's compile."""
         self.use_claims = claims
         self.records = records
         self.lock = lock
@@ -262,7 +272,7 @@ class CompileOnce:
                 continue
             results[i] = self._compile_holding(claim, jobs[i], keys[i], compile_fn)
         if deferred:
-            for name in run_offered():  # about to wait: use the idle core for what this rank needs next
+            for name in self.idle_work.run_offered():  # about to wait: use the idle core for what this rank needs next
                 say("%s compiled while rank %d waited for another rank's compile", name, rank)
         for i in deferred:
             job = jobs[i]

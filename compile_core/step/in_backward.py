@@ -21,12 +21,13 @@ Algorithm:
     the state (`aot.torch_dynamo.capture_functional`). The math is elementwise, so one graph serves
     every parameter shape of that group.
   * From update 2 the compiled backward applies that update right after its bucket's all-reduce lands
-    (ddp/in_graph/graph_pass.py): on the GPU the graph is spliced in per parameter; on the CPU one
-    opaque op per bucket calls the same math compiled once, its length symbolic (Note [An opaque update
-    op instead of spliced update nodes] in ddp/in_graph/update_op.py). Either way with that update's
-    scalar vector (computed before the forward: lr, betas, momentum, weight decay and the step count
-    are values, so schedules never recompile); the state tensors are the optimizer's own, updated in
-    place, so `optimizer.state_dict()` is what an eager run gives.
+    (ddp/in_graph/graph_pass.py): the graph is spliced in per parameter, so Inductor fuses the updates of
+    a bucket with each other and with the gradient's last kernels, with that update's scalar vector
+    (computed before the forward: lr, betas, momentum, weight decay and the step count are values, so
+    schedules never recompile); the state tensors are the optimizer's own, updated in place, so
+    `optimizer.state_dict()` is what an eager run gives. (On the CPU an opaque op per bucket used to call
+    the math compiled once instead, to keep the C++ compile of the update variant near the reduce
+    variant's: a mechanism only the CPU bed used, removed; the update variant compiles longer there.)
 
 Notes: only SGD, Adam and AdamW (exactly these classes, any of their options, foreach and fused
 included) are done in the backward; any other optimizer, or a model that does not compile into a
@@ -47,28 +48,19 @@ update); `TORCH_LOGS=output_code` shows the update kernels between the backward'
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable
 
 import torch
 
-from aot.torch_dynamo import capture_functional, cause_chain, lookup_backend
-from compile_core.events import CompileEvents
-from compile_core.reuse import idle_work
+from aot.torch_dynamo import capture_functional
 from compile_core.step import optim_math
-from compile_core.step.chunk_math import alias_at_offset_zero
 from ddp.in_graph.graph_pass import UpdateTemplate
-from ddp.in_graph.update_op import BUCKET_UPDATE, register_kernel
-from inductor.torch_inductor import compile_in_place_elementwise, decompositions
+from inductor.torch_inductor import decompositions
 
 logger = logging.getLogger(__name__)
 
 _SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-
-KernelCompiler = Callable[[Callable[..., None], list[torch.Tensor]], Callable[..., None]]
-"""`(update, examples) -> run`: one parameter's update compiled with a symbolic length; `run` takes flat
-tensors (1-D views, the 0-dim step count, the scalar row), laid out like `examples`."""
 
 
 def support(optimizer: torch.optim.Optimizer) -> str | None:
@@ -97,13 +89,10 @@ class OptimizerInBackward:
         optimizer: torch.optim.Optimizer,
         *,
         clip_max_norm: float | None = None,
-        compile_kernel: KernelCompiler | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.clip_max_norm = clip_max_norm
         """With clipping, every bucket is updated after the last all-reduce (global norm first)."""
-        self.compile_kernel = compile_kernel
-        """Compiles one parameter's update (a symbolic length) for the CPU's per-bucket op; None: spliced graphs."""
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
         self.norm = torch.zeros((), dtype=torch.float32, device=device) if clip_max_norm is not None else None
         """Receives the total gradient norm (before clipping) from the backward."""
@@ -204,92 +193,7 @@ class OptimizerInBackward:
         fn = _update_function(self.optimizer, group, state_keys)
         # In Inductor's terms (what a graph spliced after partitioning must be), fine for aot_eager too.
         graph, positions = capture_functional(fn, args, decompositions=decompositions())
-        kind = None
-        # CPU: one extern op per bucket (the spliced nodes cost ~4x the backward's compile time in C++
-        # codegen, and a CPU call per parameter is cheap). GPU: spliced, so the updates fuse into a few
-        # Triton kernels instead of several launches per parameter (not measured yet: no GPU with 2.13).
-        if self.compile_kernel is not None and param.device.type == "cpu":
-            kind = _kind(self.optimizer, group, state_keys, param)
-            kernel = _per_parameter_kernel(fn, self.compile_kernel, state_keys)
-            register_kernel(kind, kernel)
-            # A rank that waits for another's compile of the update variant compiles this meanwhile.
-            states = [state[k] for k in state_keys]
-            idle_work.offer(f"update kernel {kind}", functools.partial(kernel.warm, kind, param, states, row))
-        return UpdateTemplate(
-            graph=graph, positions=tuple(positions), state_keys=state_keys, hyper_keys=("scalars",), kind=kind
-        )
-
-
-def _kind(optimizer: torch.optim.Optimizer, group: dict, state_keys: tuple[str, ...], param: torch.Tensor) -> str:
-    """The kernel's name: everything its math depends on, and nothing that differs between processes (a
-    cached backward graph names it)."""
-    flags = ",".join(f"{k}={int(v)}" for k, v in _flags(optimizer, group))
-    return f"{type(optimizer).__name__}[{flags}][{','.join(state_keys)}]/{param.dtype}/{param.device.type}"
-
-
-def update_kernel_compiler(backend: str | Callable[..., Any], events: CompileEvents) -> KernelCompiler:
-    """How train_step compiles the per-parameter update kernel with `backend`, each compile recorded in
-    `events` (the optimizer's, in the report). With Inductor, without Dynamo: the op calls the kernel
-    once per parameter, and a Dynamo-compiled function's guards and wrappers cost ~10x the call itself
-    (~80 vs ~8 us on the CPU; Note [An opaque update op instead of spliced update nodes])."""
-
-    def compile_kernel(fn: Callable[..., None], examples: list[torch.Tensor]) -> Callable[..., None]:
-        if backend == "inductor":
-            try:
-                return events.record(lambda: compile_in_place_elementwise(fn, examples))
-            except Exception as exc:  # noqa: BLE001 - a torch-internal change: Dynamo's path still works
-                logger.warning("train_step: update kernel compiled through Dynamo instead (%r)", cause_chain(exc)[-1])
-        compiled = events.compile(fn, lookup_backend(backend), dynamic=True, isolate_recompiles=True)
-
-        def run(*flat: torch.Tensor) -> None:
-            # Dynamo guards a symbolic-length input's storage offset and view base: aliases at offset 0.
-            compiled(*(alias_at_offset_zero(t, flat=True) for t in flat))
-
-        return run
-
-    return compile_kernel
-
-
-def _per_parameter_kernel(fn: Callable[..., None], compile_kernel: KernelCompiler, state_keys: tuple[str, ...]):
-    """`kernel(params, grads, states, rows)`: the update compiled once for every parameter size.
-
-    `compile_kernel(fn, examples)` compiles it with a symbolic length and returns a function of flat
-    tensors: the parameter, its gradient and each state tensor as a 1-D view (a 0-dim parameter too),
-    the step count 0-dim, the scalar row. A non-contiguous parameter runs the math eagerly."""
-    compiled: list[Callable[..., None]] = []
-    per_param = len(state_keys)
-    # Which of (param, grad, *states, row) are elementwise: flattened, and stood in for by 64 zeros when
-    # compiling (a traced length of 0 or 1 would be specialised). Decided by role, not by dimensions.
-    elementwise = (True, True, *(k != "step" for k in state_keys), False)
-
-    def flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [t.view(-1) if e else t for t, e in zip(tensors, elementwise)]
-
-    def stand_ins(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [t.new_zeros(64) if e else t.detach().clone() for t, e in zip(tensors, elementwise)]
-
-    def kernel(params, grads, states, rows) -> None:
-        for i, (param, grad) in enumerate(zip(params, grads)):
-            tensors = [param, grad, *states[i * per_param : (i + 1) * per_param], rows[i]]
-            if not all(t.is_contiguous() for t in tensors):
-                fn(*tensors)
-                continue
-            if not compiled:
-                compiled.append(compile_kernel(fn, stand_ins(tensors)))
-            compiled[0](*flat(tensors))
-
-    def warm(kind: str, param: torch.Tensor, states: list[torch.Tensor], row: torch.Tensor) -> None:
-        """Compile the kernel now on stand-ins for `param`'s tensors, unless it already is; through the
-        op, as the backward calls it (inside a custom op the tensors carry other dispatch keys, which
-        Dynamo guards on when the kernel is compiled through Dynamo)."""
-        if compiled:
-            return
-        with torch.no_grad():
-            like = stand_ins([param, param, *states, row])
-            BUCKET_UPDATE([like[0]], [like[1]], like[2:-1], [like[-1]], kind)
-
-    kernel.warm = warm  # type: ignore[attr-defined]
-    return kernel
+        return UpdateTemplate(graph=graph, positions=tuple(positions), state_keys=state_keys, hyper_keys=("scalars",))
 
 
 def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:

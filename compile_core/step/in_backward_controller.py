@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from compile_core.step.in_backward import KernelCompiler, OptimizerInBackward, support
+from compile_core.step.in_backward import OptimizerInBackward, support
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +32,9 @@ class InBackwardController:
         *,
         clip_max_norm: float | None,
         blocker: str | None = None,
-        compile_kernel: KernelCompiler | None = None,
     ) -> None:
         self.reducer = reducer
-        self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm, compile_kernel=compile_kernel)
+        self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm)
         self.reason: str | None = blocker or support(optimizer)
         """Why updates are not (or no longer) inside the backward; None while they are or may be."""
         self.from_update: int | None = None

@@ -59,13 +59,11 @@ from torch.nn.parallel import DistributedDataParallel
 from aot.torch_dynamo import DynamoError, cause_chain
 from compile_core import progress
 from compile_core.events import CompileEvents
-from compile_core.reuse import idle_work
 from compile_core.reuse.compile_once import job_rank
 from compile_core.step.checks import NO_TARGET, check_inputs, check_loss, split_args
 from compile_core.step.chunked_update import ChunkedUpdate
 from compile_core.step.config import TrainStepConfig
 from compile_core.step.hyperparams import HyperparamPins
-from compile_core.step.in_backward import update_kernel_compiler
 from compile_core.step.in_backward_controller import InBackwardController
 from compile_core.step.report import OptimizerReport, TrainStepReport
 from compile_core.step.update import CompiledUpdate, chunking_blocker, clip_and_step
@@ -73,7 +71,7 @@ from ddp.in_graph.probe import eager_outside_producers
 from inductor.torch_inductor import disk_caches_enabled
 
 UPDATE_OFFER = "optimizer update (ahead of update 1)"
-"""The name of the offer `_offer_update_compile` makes (compile_core/reuse/idle_work.py)."""
+"""The name of the offer `_offer_update_compile` makes to the model's `IdleWork` (compile_core/reuse/idle_work.py)."""
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +131,6 @@ class TrainStep:
                 self._compiled.in_graph,
                 clip_max_norm=config.clip_grad_norm,
                 blocker=config.in_backward_blocker(grad_scaler=grad_scaler is not None, device_type=self._device_type),
-                compile_kernel=update_kernel_compiler(self.config.backend, self._opt_events),
             )
             if self._in_backward.reason is not None:
                 logger.warning("train_step: optimizer update stays after the backward: %s", self._in_backward.reason)
@@ -247,7 +244,7 @@ class TrainStep:
 
     def _normal_update(self, index: int) -> torch.Tensor | None:
         """clip + optimizer.step() after the backward, compiled (eager once that failed)."""
-        idle_work.withdraw(UPDATE_OFFER)  # not taken by a wait: update 1 compiles it, as without the offer
+        self._compiled.idle_work.withdraw(UPDATE_OFFER)  # not taken by a wait: update 1 compiles it
         if self._update is None and self._opt_fallback is None:
             self._update = self._build_update()
         if self._update is not None:
@@ -286,7 +283,7 @@ class TrainStep:
                 with self._pins.applied():
                     update.compile_ahead()
 
-            idle_work.offer(UPDATE_OFFER, compile_ahead)
+            self._compiled.idle_work.offer(UPDATE_OFFER, compile_ahead)
 
     def _update_fn(self) -> Callable[[], torch.Tensor | None]:
         return clip_and_step(self._params, self.config.clip_grad_norm, self.optimizer)

@@ -45,8 +45,6 @@ import torch.fx as fx
 
 from aot.torch_dynamo import grad_outputs, graph_fake_mode, input_placeholders, save_for_backward
 from ddp.bucketing.grad_buckets import GradBucketPlan
-from ddp.in_graph.pair_exchange import PAIR_EXCHANGE
-from ddp.in_graph.update_op import BUCKET_UPDATE
 from ddp.torch_ddp import functional_all_reduce_ops
 from inductor.torch_inductor import order_after
 
@@ -108,9 +106,6 @@ class UpdateTemplate:
     """Keys of `optimizer.state[p]` passed as state tensors, in role order."""
     hyper_keys: tuple[str, ...]
     """Group hyperparameter tensors that follow ("lr", "beta1", "beta2")."""
-    kind: str | None = None
-    """The `bucket_update` kernel (ddp/in_graph/update_op.py) that applies this update per bucket; None:
-    `graph` is spliced per parameter instead."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +129,7 @@ class UpdateSpec:
 @dataclasses.dataclass
 class _Issued:
     members: list[tuple[int, fx.Node]]  # (output position, gradient node)
-    reduced: fx.Node  # the all_reduce node (or pair_exchange's: the other rank's bucket, summed at the wait)
+    reduced: fx.Node  # the all_reduce node
     index: int  # input indices follow `members`
     input_indices: list[int]
     dtype: torch.dtype  # the gradients' dtype (the wire may be narrower)
@@ -151,16 +146,13 @@ def insert_bucketed_all_reduce(
     forward: fx.GraphModule | None = None,
     updates: UpdateSpec | None = None,
     wire_dtype: torch.dtype | None = None,
-    pair_exchange: bool = False,
 ) -> list[str]:
     """Add one flat all-reduce per bucket of `plan` to `backward`; return, per bucket, the op it follows.
 
     With `updates` (and the partitioned `forward`, whose saved values may have to grow), each
     bucket's parameters are updated once its all-reduce lands, and their gradients are not returned.
     With `wire_dtype`, each bucket is cast to it, divided by the world size and all-reduced in it,
-    then cast back (the order of DDP's fp16/bf16 compress hooks). With `pair_exchange` (a two-rank
-    gloo group), each bucket is exchanged with the other rank and summed by us instead
-    (ddp/in_graph/pair_exchange.py); the graph is otherwise the same.
+    then cast back (the order of DDP's fp16/bf16 compress hooks).
     """
     graph = backward.graph
     builder = _Builder(graph)
@@ -192,10 +184,7 @@ def insert_bucketed_all_reduce(
             cursor = builder.after(cursor, _ops.div.Tensor, [cursor, float(world_size)])
             flat.append(cursor)
         cursor = builder.after(cursor, _ops.cat.default, [flat])
-        if pair_exchange:
-            cursor = builder.after(cursor, PAIR_EXCHANGE, [cursor, group_name])
-        else:
-            cursor = builder.after(cursor, _all_reduce, [cursor, "sum", group_name])
+        cursor = builder.after(cursor, _all_reduce, [cursor, "sum", group_name])
         issued.append(_Issued(members=members, reduced=cursor, index=len(issued), input_indices=present, dtype=dtype))
     if updates is None:
         # Waits as late as possible: just before the output that needs them.
@@ -268,20 +257,13 @@ def _insert_updates(
         return max(readers, key=order.__getitem__, default=bucket.reduced)
 
     def finish(bucket: _Issued, views: list[tuple[int, fx.Node]], scale: fx.Node | None = None) -> None:
-        opaque: dict[str, list[tuple[int, fx.Node]]] = {}  # kind -> [(input index, grad)], one op each
         for (position, view), index in zip(views, bucket.input_indices):
             grad = view if scale is None else builder.call(_ops.mul.Tensor, [view, scale])
             if index not in updates.templates:
                 outputs[position] = grad  # no update here: the optimizer step after the backward uses it
                 continue
-            kind = updates.templates[index].kind
-            if kind is not None:
-                opaque.setdefault(kind, []).append((index, grad))
-            else:
-                bucket.last_update = _apply_update(builder, updates, index, input_node, grad) or bucket.last_update
+            bucket.last_update = _apply_update(builder, updates, index, input_node, grad) or bucket.last_update
             outputs[position] = None  # updated in place: no gradient is kept
-        for kind, members in opaque.items():
-            bucket.last_update = _bucket_update(builder, updates, kind, members, input_node)
 
     if updates.clip_max_norm is not None:
         # The global norm needs every reduced gradient: all buckets land first, as in
@@ -350,25 +332,6 @@ def _insert_updates(
         if bucket.wait is not None and after:
             deps[bucket.wait] = after
     order_after(graph, deps)
-
-
-def _bucket_update(
-    builder: _Builder,
-    updates: UpdateSpec,
-    kind: str,
-    members: list[tuple[int, fx.Node]],
-    input_node: Callable[[int], fx.Node],
-) -> fx.Node:
-    """One `bucket_update` node for `members` (input index, reduced gradient) of one kind of update."""
-    params, grads, states, rows = [], [], [], []
-    for index, grad in members:
-        template = updates.templates[index]
-        roles = [input_node(i) for i in updates.role_inputs[index]]
-        params.append(input_node(index))
-        grads.append(grad)
-        states.extend(roles[: len(template.state_keys)])
-        rows.extend(roles[len(template.state_keys) :])
-    return builder.call(BUCKET_UPDATE, [params, grads, states, rows, kind])
 
 
 def _apply_update(

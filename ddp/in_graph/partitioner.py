@@ -42,7 +42,6 @@ class InGraphPartitioner:
         group_name: str,
         world_size: int,
         wire_dtype: Any = None,
-        pair_exchange: bool = False,
         accumulated_input_of: Mapping[int, int] | None = None,
         updates: UpdateSpec | None = None,
         on_partitioned: Callable[[list[str]], None] = lambda after: None,
@@ -52,7 +51,6 @@ class InGraphPartitioner:
         self.group_name = group_name
         self.world_size = world_size
         self.wire_dtype = wire_dtype
-        self.pair_exchange = pair_exchange
         self.accumulated_input_of = dict(accumulated_input_of or {})
         self.on_partitioned = on_partitioned
 
@@ -81,7 +79,6 @@ class InGraphPartitioner:
             forward=forward,
             updates=self.updates,
             wire_dtype=self.wire_dtype,
-            pair_exchange=self.pair_exchange,
         )
         self.on_partitioned(after)
         return forward, backward
@@ -95,15 +92,6 @@ class InGraphPartitioner:
         was ours_step's (52.8 vs 53.2 MB, GPT d=384, 4 MiB buckets); without reuse 37.0 MB.
         """
         return {"allow_buffer_reuse": False} if self.updates is not None else {}
-
-    def inductor_requirements(self) -> dict[str, Any]:
-        """Inductor options this graph is wrong without, whatever the user set.
-
-        With `pair_exchange`, a bucket is still being sent, then read by the sum in its wait, after the
-        graph's last use of it (the exchange): with buffer reuse Inductor could hand its memory to a later
-        buffer of the same size, such as the next bucket, while it is on the wire (ddp/in_graph/pair_exchange.py).
-        """
-        return {"allow_buffer_reuse": False} if self.pair_exchange else {}
 
     def uuid(self) -> str:
         plan = [(b.params, b.input_indices, b.nbytes, b.key) for b in self.plan.buckets]
@@ -123,7 +111,6 @@ class InGraphPartitioner:
                 self.group_name,
                 self.world_size,
                 str(self.wire_dtype),
-                self.pair_exchange,
                 sorted(self.accumulated_input_of.items()),
                 updates,
             )

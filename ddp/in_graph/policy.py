@@ -31,7 +31,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp import torch_ddp
-from ddp.in_graph.pair_exchange import use_pair_exchange
 
 WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """What `reduce_dtype=` accepts."""
@@ -49,14 +48,9 @@ class Reduction:
     """The registered comm hook's name, if any."""
     reason: str | None = None
     """Why DDP's reducer reduces (for people; decisions read `in_graph`)."""
-    algorithm: str = "all_reduce"
-    """How the compiled backward reduces a bucket: "all_reduce" (the group's collective) or
-    "pair_exchange" (two gloo ranks: exchange, then sum; ddp/in_graph/pair_exchange.py)."""
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "reducer": "compiled backward" if self.in_graph else "ddp",
-            "algorithm": self.algorithm if self.in_graph else None,
             "comm_hook": self.hook,
             "reduce_dtype": None if self.wire_dtype is None else str(self.wire_dtype),
             "reason": self.reason,
@@ -89,9 +83,8 @@ def reduction_for(ddp: DistributedDataParallel, reduce_dtype: torch.dtype | None
             reason=(f"the builtin comm hook {builtin} cannot run inside the compiled backward; DDP's reducer runs it"),
         )
     hooks = torch_ddp.comm_hooks(ddp)
-    algorithm = "pair_exchange" if use_pair_exchange(ddp.process_group, ddp.device_type) else "all_reduce"
     if not hooks:
-        return Reduction(in_graph=True, wire_dtype=reduce_dtype, algorithm=algorithm)
+        return Reduction(in_graph=True, wire_dtype=reduce_dtype)
     hook, state = hooks[-1]
     name = getattr(hook, "__qualname__", repr(hook))
     known, hook_dtype = _recipe(hook)
@@ -118,7 +111,7 @@ def reduction_for(ddp: DistributedDataParallel, reduce_dtype: torch.dtype | None
             f"reduce_dtype={reduce_dtype} conflicts with the comm hook '{name}', which all-reduces in {hook_dtype}: "
             "drop reduce_dtype= (the hook's dtype is used) or register no hook"
         )
-    return Reduction(in_graph=True, wire_dtype=hook_dtype or reduce_dtype, hook=name, algorithm=algorithm)
+    return Reduction(in_graph=True, wire_dtype=hook_dtype or reduce_dtype, hook=name)
 
 
 def _recipe(hook: Callable[..., Any]) -> tuple[bool, torch.dtype | None]:

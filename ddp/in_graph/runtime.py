@@ -333,7 +333,6 @@ class InGraphReducer:
             group_name=self.group_name,
             world_size=self.world_size,
             wire_dtype=self.reduction.wire_dtype,
-            pair_exchange=self.reduction.algorithm == "pair_exchange",
             accumulated_input_of=accumulated,
             updates=spec,
             on_partitioned=on_partitioned,

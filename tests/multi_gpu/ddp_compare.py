@@ -88,9 +88,7 @@ class CollectiveLog:
         names = [e.name for e in prof.events()]
         self.steps.append(
             {
-                # a two-rank gloo group's in-graph bucket is an exchange (one gloo send, one receive) and a sum
-                # (ddp/in_graph/pair_exchange.py); the op's own name also shows where a compile runs it on fakes
-                "all_reduces": sum(1 for n in names if n in ("gloo:all_reduce", "nccl:all_reduce", "gloo:send")),
+                "all_reduces": sum(1 for n in names if n in ("gloo:all_reduce", "nccl:all_reduce")),
                 "ddp_reducer": sum(1 for n in names if n.startswith("torch.distributed.ddp.reducer::")),
             }
         )

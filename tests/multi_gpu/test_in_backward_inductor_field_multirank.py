@@ -1,8 +1,7 @@
 """`optimizer_in_backward=True` with `backend="inductor"` on field scripts, against the eager script.
 
-The field suite (test_in_backward_field_multirank.py) runs on aot_eager, where the per-parameter update
-kernel is compiled through Dynamo. With Inductor the kernel is Inductor's own, compiled without Dynamo
-(`inductor.torch_inductor.compile_in_place_elementwise`): these scenarios put the field patterns through
+The field suite (test_in_backward_field_multirank.py) runs on aot_eager. With Inductor each parameter's
+update is lowered and fused with the backward's kernels: these scenarios put the field patterns through
 that path, several patterns per script to keep the Inductor compiles few. 2 ranks, rank-dependent data,
 4 updates, checked against the same loop run eagerly.
 """

@@ -209,7 +209,10 @@ def _assert_like_eager(per_rank: list[dict], *, rtol: float = 1e-4, atol: float 
         assert torch.equal(p, per_rank[1]["params"][name]), f"{name} differs between ranks"
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "sgd_nesterov", "adam", "adamw_foreach", "adamw_accum2"])
+@pytest.mark.parametrize(
+    "name",
+    ["sgd_momentum", "sgd_nesterov", "adam", pytest.param("adamw_foreach", marks=pytest.mark.compat), "adamw_accum2"],
+)
 def test_update_inside_the_backward_matches_eager(results, name):
     _assert_like_eager(ok(results, name))
 
@@ -265,14 +268,12 @@ def test_inductor_updates_like_eager_and_a_warm_job_loads_the_update_variant_fro
     _assert_like_eager(cold, rtol=1e-3, atol=1e-4)
     warm = run_ranks(_inductor_job, cache, world_size=2, timeout=400)
     _assert_like_eager(warm, rtol=1e-3, atol=1e-4)
-    # the update variant (update 1 is eager DDP) comes from AOTAutograd's cache; on the CPU the update kernel
-    # (one for every parameter size, ddp/in_graph/update_op.py; compiled by Inductor without AOTAutograd)
-    # from Inductor's; on a GPU the update is fused into the backward
+    # the update variant (update 1 is eager DDP, the update spliced into the backward) comes from
+    # AOTAutograd's cache
     for rank, r in enumerate(warm):
-        kernels = 1 if r["device"] == "cpu" else 0
         aot, fx = r["counters"]["aot_autograd"], r["counters"]["inductor"]
         assert aot.get("autograd_cache_hit", 0) >= 1 and not aot.get("autograd_cache_miss"), (rank, aot)
-        assert fx.get("fxgraph_cache_hit", 0) >= 1 + kernels, (rank, fx)
+        assert fx.get("fxgraph_cache_hit", 0) >= 1, (rank, fx)
         assert not aot.get("autograd_cache_bypass") and not fx.get("fxgraph_cache_bypass"), (rank, aot, fx)
         assert not fx.get("fxgraph_cache_miss"), (rank, fx)
 

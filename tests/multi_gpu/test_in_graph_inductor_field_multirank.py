@@ -2,9 +2,8 @@
 
 The field suite (test_in_graph_field_multirank.py) runs on aot_eager. Through Inductor the bucket copy,
 the cast to the wire dtype, the division by the world size and the cast back are fused into Inductor's
-kernels, and on 2 gloo ranks each bucket travels through the pair exchange (ddp/in_graph/pair_exchange.py)
-with its sum done in the wait: these scenarios check that compiled path against the user's eager DDP loop,
-several patterns per script to keep the Inductor compiles few. 2 ranks, rank-dependent data, 3
+kernels, which feed each bucket's all-reduce: these scenarios check that compiled path against the user's
+eager DDP loop, several patterns per script to keep the Inductor compiles few. 2 ranks, rank-dependent data, 3
 SGD-momentum updates.
 """
 
@@ -54,10 +53,10 @@ def results():
     return run_ranks(_all, world_size=2, timeout=580)
 
 
-def _assert_reduced_in_the_graph_by_exchange(report: dict, wire: str) -> None:
+def _assert_reduced_in_the_graph(report: dict, wire: str) -> None:
     in_graph = report["in_graph"]
     assert in_graph["reduce_dtype"] == wire, in_graph
-    assert in_graph["algorithm"] == "pair_exchange", in_graph
+    assert in_graph["reducer"] == "compiled backward", in_graph
     assert report["fallbacks"] == [], report["fallbacks"]
 
 
@@ -67,7 +66,7 @@ def test_fp16_hook_with_an_aux_loss_and_ignored_parameters_trains_like_eager_ddp
     # beyond that (world size 2: the division is exact, and the sum is rounded once on both sides)
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-5, not_reduced=IGNORED)
     report = per_rank[0]["report"]
-    _assert_reduced_in_the_graph_by_exchange(report, "torch.float16")
+    _assert_reduced_in_the_graph(report, "torch.float16")
     assert report["in_graph"]["outside_graph"] == ["head.bias"], report["in_graph"]
     for name in IGNORED:
         assert not torch.equal(per_rank[0]["params"][name], per_rank[1]["params"][name]), name
@@ -76,4 +75,4 @@ def test_fp16_hook_with_an_aux_loss_and_ignored_parameters_trains_like_eager_ddp
 def test_reduce_dtype_bf16_with_static_graph_trains_like_ddps_bf16_compression(results):
     per_rank = ok(results, "reduce_dtype_bf16_static_graph")
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-5)
-    _assert_reduced_in_the_graph_by_exchange(per_rank[0]["report"], "torch.bfloat16")
+    _assert_reduced_in_the_graph(per_rank[0]["report"], "torch.bfloat16")

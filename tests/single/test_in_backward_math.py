@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
-
 import pytest
 import torch
 from torch import nn
 
 from compile_core.events import CompileEvents
 from compile_core.step import chunk_math
-from compile_core.step.in_backward import OptimizerInBackward, update_kernel_compiler
+from compile_core.step.in_backward import OptimizerInBackward
 
 
 def _after_one_eager_step(kind: str, beta1: float) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
@@ -92,72 +89,31 @@ def test_the_chunked_update_gets_its_scalar_rows_on_the_parameters_device(opt_cl
     assert rows[0].device.type == "meta"
 
 
-def _kernel_against_torchs_step(shapes: tuple, backend: str, monkeypatch, *, wait_inside=None) -> CompileEvents:
-    """Parameters of `shapes` updated once by the per-bucket op's kernel (ddp/in_graph/update_op.py) as
-    the compiled backward calls it: gradients as views into one bucket buffer at several offsets, scalar
-    rows sliced from one tensor, the kernel compiled as train_step compiles it ("dynamo": through Dynamo;
-    "inductor": by Inductor directly). Asserts parameters and state equal torch's own step; returns the
-    compiles. `wait_inside`: a context the offered compile runs in (a rank waiting inside a backend)."""
-    from compile_core.reuse import idle_work
-    from ddp.in_graph.update_op import BUCKET_UPDATE
+def test_the_spliced_update_handles_scalar_and_one_element_parameters_like_torchs_step():
+    """A 0-dim parameter (a learned temperature or scale) and a 1-element one take the template captured on a
+    small stand-in of the group's first parameter: the math is elementwise, whatever the shape."""
 
-    def model_params() -> list[torch.nn.Parameter]:
+    def setup() -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
         torch.manual_seed(0)
-        return [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
-
-    def stepped(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        params = [nn.Parameter(torch.randn(shape)) for shape in ((8, 16), (), (1,), (5,))]
         optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
         for p in params:
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
         optimizer.step()  # update 1 creates the state, as in train_step
-        return optimizer
+        return params, optimizer
 
-    params, ref_params = model_params(), model_params()
-    optimizer, ref_optimizer = stepped(params), stepped(ref_params)
-    events = CompileEvents(breaks_from="counters", name="optimizer update")
-    as_the_step_does = update_kernel_compiler("aot_eager" if backend == "dynamo" else backend, events)
-    updates = OptimizerInBackward(optimizer, compile_kernel=as_the_step_does)
-    monkeypatch.setattr(idle_work, "_offers", {})
+    (params, optimizer), (refs, ref_optimizer) = setup(), setup()
+    updates = OptimizerInBackward(optimizer)
     updates.prepare()
-    # prepare() offers the kernel's compile to a rank about to wait for another's compile: run it as one would
-    with wait_inside or contextlib.nullcontext():
-        offered = idle_work.run_offered()
-    assert [n for n in offered if n.startswith("update kernel")] and events.graphs == 1
-    templates = [updates.template_for(p) for p in params]
-    bucket = torch.randn(sum(p.numel() for p in params) + 5, generator=torch.Generator().manual_seed(2))
-    grads, offset = [], 5  # the first gradient not at offset 0 either
-    for p in params:
-        grads.append(bucket[offset : offset + p.numel()].view(p.shape))
-        offset += p.numel()
-    states = [s for p, t in zip(params, templates) for s in updates.states(p, t)]
-    rows = [row for p, t in zip(params, templates) for _, row in updates.hypers(p, t)]
-    BUCKET_UPDATE(params, grads, states, rows, templates[0].kind)
-    for p, g in zip(ref_params, grads):
-        p.grad = g.clone()
+    for p, ref in zip(params, refs):
+        grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(7 + p.numel()))
+        _apply_template(updates, p, grad)
+        ref.grad = grad.clone()
     ref_optimizer.step()
-    for p, ref in zip(params, ref_params):
+    for p, ref in zip(params, refs):
         torch.testing.assert_close(p.data, ref.data, rtol=1e-6, atol=1e-7)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(optimizer.state[p][key], ref_optimizer.state[ref][key], rtol=1e-6, atol=1e-7)
-    return events
-
-
-KERNEL_PATHS = ["dynamo", pytest.param("inductor", marks=pytest.mark.inductor)]
-
-
-@pytest.mark.parametrize("backend", KERNEL_PATHS)
-def test_the_cpu_update_kernel_compiles_once_for_every_parameter_size_and_matches_torchs_step(monkeypatch, backend):
-    events = _kernel_against_torchs_step(((8, 16), (48,), (4, 4, 4), (300,), (7,)), backend, monkeypatch)
-    assert events.graphs == 1, events.graphs  # the compile on stand-ins serves every real parameter
-
-
-@pytest.mark.parametrize("backend", KERNEL_PATHS)
-def test_the_cpu_update_kernel_updates_scalar_and_one_element_parameters_like_torchs_step(monkeypatch, backend):
-    """A 0-dim parameter (a learned temperature or scale) and a 1-element one: each state tensor but the
-    step count is flattened like the parameter, so they fit the kernel compiled for 1-D tensors."""
-    events = _kernel_against_torchs_step(((8, 16), (), (1,), (5,)), backend, monkeypatch)
-    if backend == "inductor":
-        assert events.graphs == 1, events.graphs  # no guards: the symbolic length serves 1 too
 
 
 class _Blocks(nn.Module):
@@ -177,7 +133,6 @@ def test_the_update_compiled_ahead_on_stand_ins_is_the_one_update_1_needs():
     """`ChunkedUpdate.compile_ahead` (what ranks other than 0 of a one-graph job run before their first
     forward) compiles each distinct chunk on stand-ins, touching neither the parameters nor the optimizer
     state; update 1 (eager) then finds every chunk compiled, and update 2 runs it like torch's step."""
-    from compile_core.events import CompileEvents
     from compile_core.step.chunked_update import ChunkedUpdate
 
     def setup():
@@ -234,51 +189,3 @@ def test_the_chunk_gets_its_gradients_at_storage_offset_zero_over_the_same_memor
         assert grad.storage_offset() == 0 and grad.data_ptr() == p.grad.data_ptr()
         assert grad.shape == p.grad.shape and grad.stride() == p.grad.stride()
         torch.testing.assert_close(grad, p.grad, rtol=0, atol=0)
-
-
-def test_the_cpu_update_kernel_follows_a_parameter_whose_storage_was_replaced():
-    """After `param.data = ...` (a new storage, as an in-place checkpoint load may do) the kernel's update
-    must reach the new memory, not the old (nothing may keep the parameter's old flat view)."""
-    from ddp.in_graph.update_op import BUCKET_UPDATE
-
-    def setup():
-        torch.manual_seed(0)
-        param = nn.Parameter(torch.randn(6, 5))
-        optimizer = torch.optim.AdamW([param], lr=1e-2, weight_decay=0.1, foreach=False)
-        param.grad = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
-        optimizer.step()
-        return param, optimizer
-
-    (param, optimizer), (ref, ref_optimizer) = setup(), setup()
-    updates = OptimizerInBackward(optimizer, compile_kernel=lambda fn, examples: fn)  # the kernel's path, uncompiled
-    updates.prepare()
-    for update in range(2):
-        updates.refresh()  # this update's scalars (step count), as before each forward
-        template = updates.template_for(param)
-        grad = torch.randn(6, 5, generator=torch.Generator().manual_seed(2 + update))
-        rows = [row for _, row in updates.hypers(param, template)]
-        BUCKET_UPDATE([param], [grad], updates.states(param, template), rows, template.kind)
-        ref.grad = grad.clone()
-        ref_optimizer.step()
-        torch.testing.assert_close(param.data, ref.data, rtol=1e-6, atol=1e-7, msg=f"update {update + 2}")
-        param.data = param.data.clone()  # a new storage before the next update
-
-
-@pytest.mark.inductor
-def test_the_update_kernel_compiled_while_waiting_inside_a_backend_is_inductors_own(monkeypatch, caplog):
-    """A rank that waits for another's compile runs the offered kernel compile inside its own backend,
-    with that compile's fake mode active: the kernel must still be Inductor's, compiled on real stand-ins
-    (before: 'Mixing fake modes', and the kernel fell back to Dynamo's ~10x dearer calls)."""
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    in_progress = FakeTensorMode()
-
-    @contextlib.contextmanager
-    def inside_a_backend():
-        with tracing(TracingContext(in_progress)), in_progress:
-            yield
-
-    with caplog.at_level(logging.WARNING):
-        _kernel_against_torchs_step(((8, 16), (5,)), "inductor", monkeypatch, wait_inside=inside_a_backend())
-    assert not [r for r in caplog.records if "through Dynamo instead" in r.getMessage()]
