@@ -155,6 +155,11 @@ class CompileState:
         install_compiled_call(inner, Detached(self._run_inner, copied_as=None))
         # Run around DDP's own forward, however the model is called.
         model.register_forward_pre_hook(detached_hook(self._before_forward))
+        # The first forward in a grad mode (the first evaluation under no_grad, the first training step after
+        # evaluating) compiles graphs of its own: expected, not a recompile. A mode may refine this.
+        self._grad_modes_seen: set[bool] = set()
+        self._new_grad_mode = False
+        self._events.expected_switch = lambda: self._new_grad_mode
         self._mode.install(model, inner, self._events)
         log.info(
             "compile_core: %s compiled with backend=%s ddp=%s cap=%.3g MiB first=%.3g MiB",
@@ -210,6 +215,9 @@ class CompileState:
         progress.report()  # for a launcher watching for hangs (compile_core/progress.py)
         if not self._eager:
             self._mode.before_forward()
+        grad = torch.is_grad_enabled()
+        self._new_grad_mode = grad not in self._grad_modes_seen
+        self._grad_modes_seen.add(grad)
         self._calls += 1
 
     def _run_inner(self, *args: Any, **kwargs: Any) -> Any:
@@ -238,9 +246,11 @@ class CompileState:
                 self._log.graphs[-1].seconds = seconds
 
     def _summary(self) -> dict[str, Any]:
-        """What this rank compiled, in terms other ranks can compare (see `rank_differences`)."""
+        """What this rank compiled, in terms other ranks can compare (see `rank_differences`): the graphs that
+        train, by their pieces and buckets (graph names are numbered per rank, and evaluation graphs that only
+        some ranks compile, as when rank 0 alone evaluates, reduce nothing)."""
         return {
-            "graphs": [(g.name, g.pieces) for g in self._log.graphs],
+            "graphs": [(g.pieces, [b["params"] for b in g.buckets]) for g in self._log.graphs if g.grad],
             "fallbacks": sorted(f"{f['piece']}: {f['from']} -> {f['to']}" for f in self._log.fallbacks),
             "recompiles": len(self._events.recompiles),
             "graph_breaks": len(self._events.graph_breaks),

@@ -150,6 +150,7 @@ class SplitMode(CompileMode):
             step=self.ctx.calls(),
             bucket_caps=caps,
             restrided=graph.restrided if graph.pieces > 1 else None,
+            grad=torch.is_grad_enabled(),
         )
         with self.ctx.log.lock:
             self.ctx.log.graphs.append(entry)
@@ -196,7 +197,11 @@ class TorchMode(CompileMode):
         name = f"torch_piece_{len(log.graphs)}"
         compiled, _ = self.ctx.pieces(gm, list(example_inputs), name, reuse=False)
         with log.lock:
-            log.graphs.append(GraphEntry(name=name, pieces=1, buckets=[], seconds=0.0, step=self.ctx.calls()))
+            log.graphs.append(
+                GraphEntry(
+                    name=name, pieces=1, buckets=[], seconds=0.0, step=self.ctx.calls(), grad=torch.is_grad_enabled()
+                )
+            )
         return compiled
 
     def around_call(self) -> ContextManager[Any]:
@@ -251,13 +256,15 @@ class InGraphMode(CompileMode):
                     seconds=0.0,
                     step=self.ctx.calls(),
                     variant=self._reducer.variant,
+                    grad=torch.is_grad_enabled(),
                 )
             )
         return compiled
 
     def install(self, model: torch.nn.Module, inner: torch.nn.Module, events: CompileEvents) -> None:
         self._reducer.guard_variant_in(inner)
-        events.expected_switch = self._reducer.first_call_in_variant
+        first_in_grad_mode = events.expected_switch or (lambda: False)
+        events.expected_switch = lambda: self._reducer.first_call_in_variant() or first_in_grad_mode()
         model.register_forward_hook(detached_hook(self._after_forward), always_call=True)
 
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:

@@ -33,6 +33,8 @@ class GraphEntry:
     `planned_bytes` (backward order), `aligned_to` (repeated blocks the cuts kept to)."""
     restrided: list[int] | None = None
     """Per piece, outputs copied at run time into the layout the next piece was compiled for."""
+    grad: bool = True
+    """Compiled in a forward with gradients enabled (False: an evaluation graph, which reduces nothing)."""
 
 
 class CompileLog:

@@ -65,6 +65,9 @@ def _check(results, name: str, *, local_grads: bool = True) -> dict:
             # After a micro-batch with require_backward_grad_sync=False: the rank's own gradient, as eager.
             assert len(ours["local_fingerprints"]) == len(eager["local_fingerprints"]) > 0
             torch.testing.assert_close(ours["local_fingerprints"], eager["local_fingerprints"], rtol=1e-5, atol=1e-6)
+    for rank, r in enumerate(per_rank):
+        # an evaluation graph only rank 0 compiled is no difference between the ranks that matters
+        assert r["ours"]["report"]["rank_differences"] == [], (rank, r["ours"]["report"]["rank_differences"])
     keys = per_rank[0]["ours"]["checkpoint_keys"]
     assert keys and not any(k.startswith(("module.", "_orig_mod.")) for k in keys), keys[:3]
     e0, e1 = per_rank[0]["eager"], per_rank[1]["eager"]
