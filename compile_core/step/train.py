@@ -21,12 +21,12 @@ Note (design):
     3. Optimizer update: one `UpdatePath` object (compile_core/step/update_path.py), chosen once by
        `make_update_path`. By default `clip_grad_norm_` and `optimizer.step()` run compiled after the
        backward, with the same backend as the model (compile_core/step/after_backward.py: per repeated
-       block for SGD/Adam/AdamW, else as one function). A scheduler that
-       writes a new Python float into `param_groups` every step would make Dynamo recompile every
-       step (it guards on the value), so before the first compile the learning rate (and Adam's
-       beta1, which OneCycleLR/CyclicLR cycle) is replaced by a 0-dim tensor that we own; before
-       every update we copy whatever the scheduler wrote into that tensor and put the tensor back.
-       The compiled graph reads the tensor, so new values never invalidate it. (SGD's momentum,
+       block for SGD/Adam/AdamW, else as one function). A scheduler that writes a new Python float
+       into `param_groups` every step would make Dynamo recompile every step (it guards on the
+       value), so before the first compile the learning rate (and Adam's beta1, which
+       OneCycleLR/CyclicLR cycle) is replaced by a 0-dim tensor that we own; before every update we
+       copy whatever the scheduler wrote into that tensor and put the tensor back. The compiled
+       graph reads the tensor, so new values never invalidate it. (SGD's momentum,
        which OneCycleLR also cycles, stays a float: torch's SGD branches on `momentum != 0`, and
        Dynamo passes that float in as a graph input without recompiling. SGD does recompile once,
        at update 2, because it creates its momentum buffers in update 1.) A post-hook on
