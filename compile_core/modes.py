@@ -36,7 +36,7 @@ from compile_core.report import CompileLog, GraphEntry
 from ddp import torch_ddp
 from ddp.agreement import RankAgreement
 from ddp.alignment import ReducerAlignment
-from ddp.in_graph import InGraphReducer, in_graph_blocker
+from ddp.in_graph import InGraphReducer, guard_variant_in, in_graph_blocker
 from ddp.splitter import DDPSplitter, SplitGraph, SplitterConfig
 
 
@@ -262,7 +262,7 @@ class InGraphMode(CompileMode):
         return compiled
 
     def install(self, model: torch.nn.Module, inner: torch.nn.Module, events: CompileEvents) -> None:
-        self._reducer.guard_variant_in(inner)
+        guard_variant_in(inner, self._reducer)
         first_in_grad_mode = events.expected_switch or (lambda: False)
         events.expected_switch = lambda: self._reducer.first_call_in_variant() or first_in_grad_mode()
         model.register_forward_hook(detached_hook(self._after_forward), always_call=True)

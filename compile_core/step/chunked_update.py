@@ -6,7 +6,7 @@ Background: torch's CPU optimizers loop over the parameters in Python, so Dynamo
 the update per parameter: for a 12-block transformer that is ~200 copies to trace, lower and
 generate, every run (Dynamo's tracing is never cached), and it dominated a compiled train step's first step.
 
-Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW, as `compile_core/step/in_backward.py`):
+Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW: `optim_math.support`, as compile_core/in_backward/):
   * the parameters of each param group are cut into chunks: one per repeated block (from the
     parameter names, ddp/bucketing/repeats.py) and one for the rest;
   * one function applies the update math of compile_core/step/optim_math.py to each parameter of a chunk,

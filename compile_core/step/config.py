@@ -9,7 +9,6 @@ from typing import Any, Callable, Mapping
 import torch
 
 from compile_core.config import DDP_MODES
-from inductor import InductorSettings
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 """The dtypes `autocast=` accepts."""
@@ -70,20 +69,3 @@ class TrainStepConfig:
             )
         if not isinstance(self.compile_kwargs, Mapping):
             raise TypeError(f"compile_kwargs={self.compile_kwargs!r}: expected a mapping of keyword arguments")
-
-    def in_backward_blocker(self, *, grad_scaler: bool, device_type: str) -> str | None:
-        """Why `optimizer_in_backward=True` keeps the update after the backward from the first step on, or None
-        (`device_type`: where the model's parameters are; CUDA graphs exist on CUDA only)."""
-        if grad_scaler:
-            return "a GradScaler must see every gradient before any update"
-        kw = self.compile_kwargs
-        settings = InductorSettings(mode=kw.get("mode"), options=kw.get("options"), dynamic=kw.get("dynamic"))
-        if self.backend == "inductor" and settings.cuda_graphs and device_type == "cuda":
-            # Seen, not reasoned: the one run of it (H100, torch 2.11, mode="reduce-overhead", world size 1)
-            # died with SIGSEGV in its first steps, where the same mode without in-backward updates ran.
-            return (
-                "CUDA graphs (mode='reduce-overhead' or 'max-autotune', or triton.cudagraphs) with parameters "
-                "updated inside the captured backward crashed a process (SIGSEGV) in our GPU run and are not "
-                "proven safe; use mode='max-autotune-no-cudagraphs' or the default mode to update inside the backward"
-            )
-        return None

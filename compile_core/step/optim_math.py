@@ -19,7 +19,7 @@ decay changes values, never the graph.
 
 Notes: results agree with eager torch to rounding (the fused kernel evaluates the same expressions;
 eager's foreach and fused variants compute the same formulas). Complex parameters are not covered
-(`covers()` says so: they keep torch's own `optimizer.step()`).
+(`covers()` says so: they keep torch's own `optimizer.step()`); `support()` says why an optimizer is not.
 """
 
 from __future__ import annotations
@@ -70,6 +70,27 @@ class StateWatch:
 def covers(params: Sequence[torch.Tensor]) -> bool:
     """Whether this math can update these parameters (real, floating point)."""
     return all(p.is_floating_point() for p in params)
+
+
+SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+"""The optimizer classes this math stands in for (exactly these, any of their options)."""
+
+
+def support(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why this math cannot stand in for the optimizer's update, per parameter (None when it can): what the
+    per-block update (compile_core/step/chunked_update.py) and the update inside the backward
+    (compile_core/in_backward/) both need."""
+    if type(optimizer) not in SUPPORTED:
+        names = ", ".join(c.__name__ for c in SUPPORTED)
+        return f"{type(optimizer).__name__} is not one of {names} (its update is not known per parameter)"
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable"):
+            return f"param group {i} has differentiable=True"
+        if any(p.is_sparse for p in group["params"]) or group.get("sparse"):
+            return f"param group {i} has sparse parameters"
+        if not covers(group["params"]):
+            return f"param group {i} has complex (or non-floating-point) parameters"
+    return None
 
 
 def scalars(

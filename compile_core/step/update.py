@@ -21,7 +21,7 @@ import torch
 from aot.torch_dynamo import lookup_backend, optimizer_step_hooks, watch_caches
 from compile_core.events import CompileEvents
 from compile_core.reuse.compile_once import say
-from compile_core.step.in_backward import support
+from compile_core.step.optim_math import support
 
 
 class CompiledUpdate:

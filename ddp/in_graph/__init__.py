@@ -1,9 +1,11 @@
 """`ddp="in_graph"`: the compiled backward all-reduces its own gradient buckets.
 
+* `hooks.py` -- the one contract with work placed after each bucket's all-reduce (`begin_step` /
+  `step_outcome`, `BackwardHook`, `AfterReduce`; the optimizer update of compile_core/in_backward/);
 * `graph_pass.py` -- the FX passes (bucketed all-reduce in the backward, accumulated gradients);
 * `partitioner.py` -- AOTAutograd's partition step with those passes (aot_eager and Inductor);
 * `runtime.py` -- `InGraphReducer`: DDP's semantics around it (no_sync, buffers, the end of the backward);
-* `variants.py` -- which compiled variant a step runs, and the ranks' agreement on the graphs it ran;
+* `variants.py` -- which compiled variant a step runs (and the guard on it), the ranks' agreement on its graphs;
 * `policy.py` -- which reduction a comm hook asks for (compiled in, or left to DDP's reducer);
 * `probe.py` -- finds parameters with gradient producers outside a single compiled graph;
 * `after_backward.py` -- which parameters are left to the reduction after the backward (outside, hooked);
@@ -15,8 +17,9 @@ from __future__ import annotations
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp import torch_ddp
+from ddp.in_graph.hooks import BackwardHook, HookedGraph, StepOutcome
 from ddp.in_graph.runtime import InGraphReducer
-from ddp.in_graph.variants import VARIANTS
+from ddp.in_graph.variants import VARIANTS, guard_variant_in
 
 
 def in_graph_blocker(ddp: DistributedDataParallel) -> torch_ddp.DDPOptionBlocker | None:
@@ -36,4 +39,12 @@ def in_graph_blocker(ddp: DistributedDataParallel) -> torch_ddp.DDPOptionBlocker
     return None
 
 
-__all__ = ["VARIANTS", "InGraphReducer", "in_graph_blocker"]
+__all__ = [
+    "VARIANTS",
+    "BackwardHook",
+    "HookedGraph",
+    "InGraphReducer",
+    "StepOutcome",
+    "guard_variant_in",
+    "in_graph_blocker",
+]

@@ -1,4 +1,5 @@
-"""The parameters the compiled graphs leave to the reduction after the backward, and why.
+"""Which parameters a compiled graph's backward buckets (`graph_buckets`), which it leaves to the reduction
+after the backward, and why (`AfterBackward`).
 
 Two kinds, both reduced by `ddp/in_graph/leftovers.py` once the backward ended, so that every rank
 averages what eager DDP averages:
@@ -13,11 +14,15 @@ averages what eager DDP averages:
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
+import torch.fx as fx
 
+from ddp import torch_ddp
 from ddp.agreement import RankAgreement
+from ddp.bucketing import ParamInfo
+from ddp.bucketing.grad_buckets import GradBucketPlan, GradSlot, plan_grad_buckets, ready_order
 
 log = logging.getLogger(__name__)
 
@@ -63,3 +68,36 @@ class AfterBackward:
                 "as DDP reduces their total",
                 sorted(new.values()),
             )
+
+
+def graph_buckets(
+    gm: fx.GraphModule,
+    example_inputs: list,
+    *,
+    names: Mapping[int, str],
+    ignored: Iterable[str],
+    ours: Mapping[int, torch.nn.Parameter],
+    after: AfterBackward,
+    caps: tuple[int, int],
+) -> GradBucketPlan:
+    """The in-graph buckets of one captured graph (the same on every rank): the parameters of DDP's reducer
+    (`ours`, by id) that it reads, except those DDP ignores and those left to after the backward (`after`,
+    which learns here of the ones with the user's gradient hooks). `caps`: (bucket cap, first bucket cap)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    slots: dict[str, GradSlot] = {}
+    for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if not isinstance(value, torch.nn.Parameter) or not value.requires_grad:
+            continue
+        name = names.get(id(value))
+        if name is None or name in ignored or id(value) not in ours or id(value) in after:
+            continue
+        if torch_ddp.has_gradient_hooks(value):
+            # Eager DDP reduces what the user's hook returns (a clamp, a mask, a non-linear rescale),
+            # and a post-accumulate hook sees the local gradient: the graph hands this one back
+            # un-reduced, the hooks run on it as in eager DDP, and it is reduced after the backward.
+            after.note_hooked(id(value), name)
+            continue
+        info = ParamInfo(name=name, nbytes=value.numel() * value.element_size(), key=f"{value.dtype}/{value.device}")
+        slots[node.name] = GradSlot(input_index=index, info=info)
+    cap, first = caps
+    return plan_grad_buckets(ready_order(gm.graph, slots), bucket_cap_bytes=cap, first_bucket_cap_bytes=first)

@@ -5,7 +5,8 @@ as `custom_partitioner_fn` (after its own joint-graph passes), aot_eager as `par
 runs the min-cut rematerialization partitioner unchanged and then adds the bucketed all-reduce to
 the backward it produced (ddp/in_graph/graph_pass.py). Its `uuid` names everything that shapes
 the output graphs (this package's code, the bucket plan, the process group, the world size, the
-accumulation inputs), so compiled artifacts from a cache are only reused when they are the same.
+accumulation inputs, the hook after the all-reduces), so compiled artifacts from a cache are only
+reused when they are the same.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch.fx as fx
 
 from aot.torch_dynamo import has_input_descriptors
 from ddp.bucketing.grad_buckets import GradBucketPlan
-from ddp.in_graph.graph_pass import UpdateSpec, add_accumulated, insert_bucketed_all_reduce
+from ddp.in_graph.graph_pass import add_accumulated, insert_bucketed_all_reduce
+from ddp.in_graph.hooks import AfterReduce
 
 
 def _code_hash() -> str:
@@ -43,11 +45,11 @@ class InGraphPartitioner:
         world_size: int,
         wire_dtype: Any = None,
         accumulated_input_of: Mapping[int, int] | None = None,
-        updates: UpdateSpec | None = None,
+        after_reduce: AfterReduce | None = None,
         on_partitioned: Callable[[list[str]], None] = lambda after: None,
     ) -> None:
         self.plan = plan
-        self.updates = updates
+        self.after_reduce = after_reduce
         self.group_name = group_name
         self.world_size = world_size
         self.wire_dtype = wire_dtype
@@ -77,7 +79,7 @@ class InGraphPartitioner:
             group_name=self.group_name,
             world_size=self.world_size,
             forward=forward,
-            updates=self.updates,
+            after_reduce=self.after_reduce,
             wire_dtype=self.wire_dtype,
         )
         self.on_partitioned(after)
@@ -86,24 +88,17 @@ class InGraphPartitioner:
     def inductor_defaults(self) -> dict[str, Any]:
         """Inductor options this graph needs unless the user set them.
 
-        With updates inside the backward, each bucket's flat buffer should die at its update. Inductor's
-        buffer reuse instead parks a dead buffer until a later one of the same size takes it over, so
-        every bucket-sized buffer stayed allocated to the end of the backward: the step's tensor peak
-        was ours_step's (52.8 vs 53.2 MB, GPT d=384, 4 MiB buckets); without reuse 37.0 MB.
+        With a hook after the all-reduces, which uses each bucket up where it lands (the optimizer update
+        inside the backward), each bucket's flat buffer should die there. Inductor's buffer reuse instead
+        parks a dead buffer until a later one of the same size takes it over, so every bucket-sized buffer
+        stayed allocated to the end of the backward: the step's tensor peak was ours_step's (52.8 vs
+        53.2 MB, GPT d=384, 4 MiB buckets); without reuse 37.0 MB.
         """
-        return {"allow_buffer_reuse": False} if self.updates is not None else {}
+        return {"allow_buffer_reuse": False} if self.after_reduce is not None else {}
 
     def uuid(self) -> str:
         plan = [(b.params, b.input_indices, b.nbytes, b.key) for b in self.plan.buckets]
-        updates = None
-        if self.updates is not None:
-            u = self.updates
-            updates = (
-                sorted((i, t.graph.code, t.positions, t.state_keys, t.hyper_keys) for i, t in u.templates.items()),
-                sorted(u.role_inputs.items()),
-                u.clip_max_norm,
-                u.norm_input,
-            )
+        hook = None if self.after_reduce is None else self.after_reduce.cache_key()
         key = repr(
             (
                 _CODE_HASH,
@@ -112,7 +107,7 @@ class InGraphPartitioner:
                 self.world_size,
                 str(self.wire_dtype),
                 sorted(self.accumulated_input_of.items()),
-                updates,
+                hook,
             )
         )
         return hashlib.sha256(key.encode()).hexdigest()

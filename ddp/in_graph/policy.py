@@ -48,6 +48,7 @@ class Reduction:
     """The registered comm hook's name, if any."""
     reason: str | None = None
     """Why DDP's reducer reduces (for people; decisions read `in_graph`)."""
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "reducer": "compiled backward" if self.in_graph else "ddp",

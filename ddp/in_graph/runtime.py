@@ -12,7 +12,8 @@ Algorithm, per forward of the DDP model:
   * before DDP's forward, choose the variant of the compiled graph (ddp/in_graph/variants.py):
     "reduce" (grad mode on and DDP would sync), "reduce_acc" (the same, with gradients accumulated
     by earlier micro-batches under `no_sync()`), "local" (no collective at all), each with
-    "_update" when the optimizer updates inside the backward. The compiled entry branches on it,
+    "_update" while a hook after each bucket's all-reduce is set (`begin_step`, ddp/in_graph/hooks.py:
+    the optimizer update inside the backward). The compiled entry branches on it,
     so Dynamo keeps one cache entry per variant. DDP's `require_backward_grad_sync` is off for the
     duration of its forward, exactly what `no_sync()` does, so its reducer stays idle. A comm hook
     we cannot compile (ddp/in_graph/policy.py) leaves everything to DDP's reducer instead ("local" graphs).
@@ -56,16 +57,14 @@ from torch.nn.parallel import DistributedDataParallel
 from aot.torch_dynamo import inline_nested_regions, tree_leaves, with_extra_inputs
 from ddp import torch_ddp
 from ddp.agreement import RankAgreement
-from ddp.bucketing import ParamInfo
-from ddp.bucketing.grad_buckets import GradBucketPlan, GradSlot, plan_grad_buckets, ready_order
-from ddp.in_graph.after_backward import AfterBackward
-from ddp.in_graph.graph_pass import UpdateSpec
+from ddp.bucketing.grad_buckets import GradBucketPlan
+from ddp.in_graph.after_backward import AfterBackward, graph_buckets
+from ddp.in_graph.hooks import BackwardHook, GraphInputs, GraphToCompile, HookedGraph, StepOutcome
 from ddp.in_graph.leftovers import LeftoverReducer
 from ddp.in_graph.partitioner import InGraphPartitioner
 from ddp.in_graph.policy import Reduction, reduction_for
 from ddp.in_graph.probe import OutsideGradientProbe
-from ddp.in_graph.update_inputs import UpdateProvider, add_input, update_inputs
-from ddp.in_graph.variants import GraphsAgreement, accumulates, updates_in_backward, variant_for
+from ddp.in_graph.variants import GraphsAgreement, accumulates, hooked, variant_for
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +111,7 @@ class InGraphReducer:
         self._stash: dict[int, torch.Tensor] = {}  # accumulated grads moved out of .grad
         self._runs: list[tuple[tuple, frozenset[int], frozenset[int], Any]] = []  # this forward's graphs
         self._covered: list[frozenset[int]] = []  # param ids reduced in-graph, per graph run this step
-        self._updated: set[int] = set()  # param ids updated inside this step's backward
+        self._consumed: set[int] = set()  # param ids whose gradient a hook used up in this step's backward
         self._graphs_run = GraphsAgreement(agreement)  # the graphs every rank ran, as last agreed
         self._signature: tuple = ()  # the graphs this rank's last synchronising forward ran
         self._compiled_this_step = False  # a compile may keep other ranks busy: wait longer for them
@@ -128,12 +127,9 @@ class InGraphReducer:
         self._armed = False
         self.sync_steps = 0
         self.last_leftovers: list[str] = []
-        self.updates: UpdateProvider | None = None
-        """Set (by train_step) to update parameters inside the backward from the next sync step."""
-        self.update_blocker: str | None = None
-        """Why the last graph compiled for an update variant does not update (None: it does)."""
-        self.not_updated: list[str] = []
-        """Parameters the last update variant reduces but leaves to the normal optimizer step."""
+        self._hook: BackwardHook | None = None  # `begin_step`'s: used by the synchronising forwards after it
+        self._hook_reason: str | None = None  # why the last graph compiled with the hook does not use it
+        self._skipped: tuple[str, ...] = ()  # planned parameters the last hooked graph leaves alone
         self.released_bytes: int | None = None
         """Bytes of DDP's gradient buckets released at the first synchronising step (None: kept)."""
         self.graphs_last_step = 0
@@ -143,10 +139,26 @@ class InGraphReducer:
         if not self.reduction.in_graph:
             log.warning("compile_core: ddp='in_graph' is not reducing in the graph: %s", self.reduction.reason)
 
-    @property
-    def updated_in_backward(self) -> bool:
-        """True once a graph that updates parameters ran in the current step."""
-        return bool(self._updated)
+    # -- the contract with a hook after the all-reduces (ddp/in_graph/hooks.py) ------------------------
+
+    def begin_step(self, hook: BackwardHook | None) -> None:
+        """Before the forward of a synchronising micro-batch: the hook its graphs run after each bucket's
+        all-reduce (None: none), in effect until the next call."""
+        self._hook = hook
+
+    def step_outcome(self) -> StepOutcome:
+        """The reducer after the last synchronising backward."""
+        return StepOutcome(
+            hook_ran=bool(self._consumed),
+            hook_reason=self._hook_reason,
+            skipped=self._skipped,
+            graphs=self.graphs_last_step,
+            reduced_after=tuple(self.last_leftovers),
+            ignored=tuple(sorted(self.ignored)),
+            grads_kept=self.grads_kept,
+            in_graph=self.reduction.in_graph,
+            not_in_graph_reason=self.reduction.reason,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -155,7 +167,7 @@ class InGraphReducer:
             "leftovers_last_step": list(self.last_leftovers),
             "fallbacks": list(self.fallbacks),
             "find_unused_parameters": self._leftovers.find_unused,
-            "not_updated_in_backward": list(self.not_updated),
+            "not_updated_in_backward": list(self._skipped),
             "ddp_buckets_released_bytes": self.released_bytes,
         }
 
@@ -181,7 +193,7 @@ class InGraphReducer:
             self._stash = {id(p): p.grad for p in self.params if p.grad is not None}
             for p in self.params:
                 p.grad = None
-        self.variant = variant_for(sync=sync, accumulated=accumulated, update=bool(self.updates))
+        self.variant = variant_for(sync=sync, accumulated=accumulated, hooked=self._hook is not None)
         self._new_variant = self.variant not in self._seen_variants
         self._seen_variants.add(self.variant)
         self.ddp.require_backward_grad_sync = False
@@ -200,7 +212,7 @@ class InGraphReducer:
         self.sync_steps += 1
         self.graphs_last_step = len(runs)
         self._covered = [covered for _, covered, _, _ in runs]
-        self._updated = set().union(*(updated for _, _, updated, _ in runs))
+        self._consumed = set().union(*(consumed for _, _, consumed, _ in runs))
         self._signature = tuple(entry for entry, _, _, _ in runs)
         if self._graphs_run.changed(self._signature):
             # Probed on this rank's own judgement (the signature the ranks last agreed on is the same on
@@ -225,23 +237,6 @@ class InGraphReducer:
                 # reduced share to it, and the sum is reduced after the backward.
                 self._had_grad = {i for covered in self._covered for i in covered if self._by_id[i].grad is not None}
             torch_ddp.queue_end_of_backward(self._finish_backward)
-
-    def guard_variant_in(self, module: torch.nn.Module) -> None:
-        """Make every frame Dynamo compiles inside `module` guard on the variant.
-
-        The compiled entry alone would not do: after a graph break, Dynamo compiles the rest of the
-        forward in frames of its own, which never read the variant and would run one variant's graph
-        in all of them. Each submodule's call reads it in a pre-hook (Dynamo inlines the hook, so
-        compiled code pays nothing; eager code pays one Python call per module call).
-        """
-
-        def read_variant(mod: torch.nn.Module, args: Any) -> None:
-            if self.variant == "local":  # the comparison makes Dynamo guard on the value
-                return None
-            return None
-
-        for sub in module.modules():
-            sub.register_forward_pre_hook(read_variant)
 
     def first_call_in_variant(self) -> bool:
         """Whether this forward is the first in its variant (its compiles are expected, not recompiles)."""
@@ -275,30 +270,6 @@ class InGraphReducer:
 
     # -- compiling -----------------------------------------------------------------------------------
 
-    def plan(self, gm: fx.GraphModule, example_inputs: list) -> tuple[GradBucketPlan, list[GradSlot]]:
-        """The in-graph buckets of one captured graph (pure; the same on every rank)."""
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        slots: dict[str, GradSlot] = {}
-        for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
-            if not isinstance(value, torch.nn.Parameter) or not value.requires_grad:
-                continue
-            name = self.names.get(id(value))
-            if name is None or name in self.ignored or id(value) not in self._by_id or id(value) in self.after:
-                continue
-            if torch_ddp.has_gradient_hooks(value):
-                # Eager DDP reduces what the user's hook returns (a clamp, a mask, a non-linear rescale),
-                # and a post-accumulate hook sees the local gradient: the graph hands this one back
-                # un-reduced, the hooks run on it as in eager DDP, and it is reduced after the backward.
-                self.after.note_hooked(id(value), name)
-                continue
-            info = ParamInfo(
-                name=name, nbytes=value.numel() * value.element_size(), key=f"{value.dtype}/{value.device}"
-            )
-            slots[node.name] = GradSlot(input_index=index, info=info)
-        ordered = ready_order(gm.graph, slots)
-        cap, first = self.caps
-        return plan_grad_buckets(ordered, bucket_cap_bytes=cap, first_bucket_cap_bytes=first), ordered
-
     def compile(
         self,
         gm: fx.GraphModule,
@@ -313,19 +284,26 @@ class InGraphReducer:
         if variant == "local":
             compiled, _ = compile_piece(gm, list(example_inputs), name)
             return compiled, None
-        plan, _ = self.plan(gm, example_inputs)
+        plan = graph_buckets(
+            gm,
+            example_inputs,
+            names=self.names,
+            ignored=self.ignored,
+            ours=self._by_id,
+            after=self.after,
+            caps=self.caps,
+        )
         original = gm
-        inputs = list(example_inputs)
-        extras: list[Callable[[], torch.Tensor]] = []  # run-time producers of the extra inputs, in order
+        graph_inputs = GraphInputs(example_inputs)
+        inputs = graph_inputs.examples
         accumulated: dict[int, int] = {}
         if accumulates(variant):
             for i in sorted(plan.input_indices()):
-                accumulated[i] = add_input(
-                    inputs, extras, torch.zeros_like(inputs[i]), lambda p=inputs[i]: self._take_accumulated(p)
+                accumulated[i] = graph_inputs.add(
+                    torch.zeros_like(inputs[i]), lambda p=inputs[i]: self._take_accumulated(p)
                 )
-        spec = self._update_spec(gm, inputs, plan, extras) if updates_in_backward(variant) else None
-        if self.updates is not None and spec is None and updates_in_backward(variant):
-            log.warning("ddp in_graph: %s: optimizer update stays after the backward: %s", name, self.update_blocker)
+        hook = self._hook_for(name, gm, graph_inputs, plan) if hooked(variant) else HookedGraph(None)
+        extras = graph_inputs.producers  # run-time producers of the extra inputs, in order
         if extras:
             gm = with_extra_inputs(gm, [f"ddp_compile_input_{k}" for k in range(len(extras))])
         partitioner = InGraphPartitioner(
@@ -334,7 +312,7 @@ class InGraphReducer:
             world_size=self.world_size,
             wire_dtype=self.reduction.wire_dtype,
             accumulated_input_of=accumulated,
-            updates=spec,
+            after_reduce=hook.after_reduce,
             on_partitioned=on_partitioned,
         )
         compiled, used_aot = compile_piece(gm, inputs, name, partitioner=partitioner)
@@ -349,26 +327,27 @@ class InGraphReducer:
             return inline_nested_regions(original).forward, None
         entry = (tuple(b.params for b in plan.buckets), str(self.reduction.wire_dtype))
         covered = frozenset(id(inputs[i]) for i in plan.input_indices())
-        updated = frozenset(id(inputs[i]) for i in (spec.templates if spec is not None else ()))
+        consumed = frozenset(id(inputs[i]) for i in hook.consumed)
 
         def run(*args: Any) -> Any:
             if extras:
                 args = (*args, *(make() for make in extras))
             out = compiled(*args)
-            self._runs.append((entry, covered, updated, out))
+            self._runs.append((entry, covered, consumed, out))
             return out
 
         return run, plan
 
-    def _update_spec(
-        self, gm: fx.GraphModule, inputs: list, plan: GradBucketPlan, extras: list[Callable[[], torch.Tensor]]
-    ) -> UpdateSpec | None:
-        """Extra inputs and templates for updating the planned parameters that have an update, or None."""
-        got = update_inputs(gm, inputs, plan, extras, self.updates, self.names)
-        self.update_blocker = got.blocker
-        if got.not_updated is not None:
-            self.not_updated = got.not_updated
-        return got.spec
+    def _hook_for(self, name: str, gm: fx.GraphModule, inputs: GraphInputs, plan: GradBucketPlan) -> HookedGraph:
+        """What the step's hook does in this graph (it may add inputs); remembered for `step_outcome`."""
+        if self._hook is None:  # a hooked variant is only chosen with a hook set
+            return HookedGraph(None)
+        graph = GraphToCompile(name=name, gm=gm, inputs=inputs, plan=plan, names=self.names)
+        hooked_graph = self._hook.for_graph(graph)
+        self._hook_reason = hooked_graph.reason
+        if hooked_graph.skipped is not None:
+            self._skipped = tuple(hooked_graph.skipped)
+        return hooked_graph
 
     def _take_accumulated(self, param: torch.nn.Parameter) -> torch.Tensor:
         acc = self._stash.pop(id(param), None)
@@ -387,7 +366,7 @@ class InGraphReducer:
         if self._probe is not None:
             self._probe.close()
             self._probe = None
-        self._covered, self._updated, self._runs, self._had_grad = [], set(), [], set()
+        self._covered, self._consumed, self._runs, self._had_grad = [], set(), [], set()
         self._compiled_this_step = False
 
     def _finish_backward(self) -> None:
@@ -399,7 +378,8 @@ class InGraphReducer:
             found = self._probe.close()
             self._probe = None
             self.after.learn_outside(found, self.agreement, self.params)
-        late = [self.names.get(i, "?") for i in self._updated if self._by_id[i].grad is not None]
+        # A gradient a hook used up inside the graph was the whole gradient only if nothing outside added to it.
+        late = [self.names.get(i, "?") for i in self._consumed if self._by_id[i].grad is not None]
         if late:
             raise RuntimeError(
                 f"parameters {late[:8]} were updated inside the backward with only their compiled graph's "

@@ -3,24 +3,29 @@ the graphs a step ran (Note [ddp="in_graph" at run time] in ddp/in_graph/runtime
 
 A variant is one of `VARIANTS`; `InGraphReducer` holds the current one in a plain string attribute that
 the compiled code compares with, so Dynamo guards on it and keeps one cache entry per variant. What a
-variant does is read from `accumulates` / `updates_in_backward`, never from its spelling.
+variant does is read from `accumulates` / `hooked`, never from its spelling.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
 
 from ddp.agreement import RankAgreement, RankMismatchError
 
 VARIANTS = ("local", "reduce", "reduce_acc", "reduce_update", "reduce_acc_update")
 """local: no collective (no_sync, no grad); reduce: all-reduce per bucket; _acc: plus the gradients
-accumulated by earlier micro-batches; _update: plus the optimizer update per bucket."""
+accumulated by earlier micro-batches; _update: plus the step's hook after each bucket's all-reduce
+(ddp/in_graph/hooks.py; the optimizer update per bucket, which names it)."""
 
 _ACCUMULATING = frozenset({"reduce_acc", "reduce_acc_update"})
-_UPDATING = frozenset({"reduce_update", "reduce_acc_update"})
+_HOOKED = frozenset({"reduce_update", "reduce_acc_update"})
 
 
-def variant_for(*, sync: bool, accumulated: bool, update: bool) -> str:
+def variant_for(*, sync: bool, accumulated: bool, hooked: bool) -> str:
     """The variant of a forward: `sync` (grad mode on and DDP would sync), with gradients `accumulated`
-    by earlier micro-batches handed to the graph, with the optimizer `update` inside the backward."""
+    by earlier micro-batches handed to the graph, `hooked`: with a hook after each bucket's all-reduce."""
     if not sync:
         return "local"
     return {
@@ -28,7 +33,7 @@ def variant_for(*, sync: bool, accumulated: bool, update: bool) -> str:
         (True, False): "reduce_acc",
         (False, True): "reduce_update",
         (True, True): "reduce_acc_update",
-    }[(accumulated, update)]
+    }[(accumulated, hooked)]
 
 
 def accumulates(variant: str) -> bool:
@@ -36,9 +41,27 @@ def accumulates(variant: str) -> bool:
     return variant in _ACCUMULATING
 
 
-def updates_in_backward(variant: str) -> bool:
-    """Whether the variant's backward updates the parameters after their bucket's all-reduce."""
-    return variant in _UPDATING
+def hooked(variant: str) -> bool:
+    """Whether the variant's graphs are compiled with the step's hook after each bucket's all-reduce."""
+    return variant in _HOOKED
+
+
+def guard_variant_in(module: torch.nn.Module, holder: Any) -> None:
+    """Make every frame Dynamo compiles inside `module` guard on `holder.variant` (the reducer's).
+
+    The compiled entry alone would not do: after a graph break, Dynamo compiles the rest of the
+    forward in frames of its own, which never read the variant and would run one variant's graph
+    in all of them. Each submodule's call reads it in a pre-hook (Dynamo inlines the hook, so
+    compiled code pays nothing; eager code pays one Python call per module call).
+    """
+
+    def read_variant(mod: torch.nn.Module, args: Any) -> None:
+        if holder.variant == "local":  # the comparison makes Dynamo guard on the value
+            return None
+        return None
+
+    for sub in module.modules():
+        sub.register_forward_pre_hook(read_variant)
 
 
 Signature = tuple

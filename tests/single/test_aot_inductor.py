@@ -125,15 +125,14 @@ def test_a_partitioners_inductor_requirements_overrule_the_users_options_with_a_
 
 
 def test_the_in_graph_update_variant_asks_inductor_not_to_park_dead_buffers():
+    from compile_core.in_backward.splice import SplicedUpdates, UpdateSpec
     from ddp.bucketing.grad_buckets import GradBucketPlan
-    from ddp.in_graph.graph_pass import UpdateSpec
     from ddp.in_graph.partitioner import InGraphPartitioner
 
     plan = GradBucketPlan(buckets=(), bucket_cap_bytes=1 << 20, first_bucket_cap_bytes=1 << 20)
     reduce_only = InGraphPartitioner(plan, group_name="0", world_size=2)
-    updating = InGraphPartitioner(
-        plan, group_name="0", world_size=2, updates=UpdateSpec(templates={}, role_inputs={}, clip_max_norm=None)
-    )
+    spec = UpdateSpec(templates={}, role_inputs={}, clip_max_norm=None)
+    updating = InGraphPartitioner(plan, group_name="0", world_size=2, after_reduce=SplicedUpdates(spec))
     assert reduce_only.inductor_defaults() == {}
     assert updating.inductor_defaults() == {"allow_buffer_reuse": False}
 

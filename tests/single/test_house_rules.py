@@ -290,3 +290,34 @@ def test_the_launcher_import_check_sees_an_import():
     files = {"compile_core/x.py": ast.parse("from launch.heartbeat import beat"), "launch/heartbeat.py": ast.parse("")}
     graph = import_graph(files)
     assert graph["compile_core.x"] == {"launch.heartbeat"}
+
+
+def downward_violations(graph: dict[str, set[str]], lower: str, upper: str) -> list[str]:
+    """`module imports target` for every module of package `lower` that imports package `upper`."""
+
+    def inside(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    return sorted(
+        f"{m} imports {t}" for m, targets in graph.items() if inside(m, lower) for t in targets if inside(t, upper)
+    )
+
+
+def test_ddp_never_imports_compile_core():
+    """Arrows go down: `ddp` (floor 3) stands under `compile_core` (floor 4). What compile_core adds to the
+    in-graph reduction (the optimizer update inside the backward) reaches it through ddp/in_graph/hooks.py."""
+    wrong = downward_violations(import_graph(_library_files()), "ddp", "compile_core")
+    assert not wrong, "; ".join(wrong)
+
+
+def test_the_downward_check_sees_an_upward_import():
+    files = {
+        "ddp/in_graph/x.py": ast.parse("def f():\n    from compile_core.step import optim_math"),
+        "compile_core/__init__.py": ast.parse(""),
+        "compile_core/step/__init__.py": ast.parse(""),
+        "compile_core/step/optim_math.py": ast.parse(""),
+        "ddp/y.py": ast.parse("import torch"),
+    }
+    assert downward_violations(import_graph(files), "ddp", "compile_core") == [
+        "ddp.in_graph.x imports compile_core.step.optim_math"
+    ]

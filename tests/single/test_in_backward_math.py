@@ -1,5 +1,5 @@
 """The per-parameter update graph that `optimizer_in_backward=True` splices into the compiled backward
-(compile_core/step/in_backward.py), run on its own: one process, no process group."""
+(compile_core/in_backward/), run on its own: one process, no process group."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from compile_core.events import CompileEvents
+from compile_core.in_backward.optimizer import OptimizerInBackward
 from compile_core.step import chunk_math
-from compile_core.step.in_backward import OptimizerInBackward
 
 
 def _after_one_eager_step(kind: str, beta1: float) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:

@@ -1,42 +1,50 @@
 """When `train_step` updates inside the backward, and why not when it does not (`InBackwardController`).
 
-The optimizer side (which optimizers, the update math as graphs, their inputs) is
-compile_core/step/in_backward.py, whose Note [Optimizer update inside the backward] this follows.
-Besides switching on after update 1 and off for good when the model or the optimizer no longer fits,
-the controller restarts the in-backward updates when optimizer state the compiled backward reads has
-gone (`optimizer.state.clear()`, a `load_state_dict` without some parameters): that update's backward
-is the compiled variant that only reduces (compiled then, once, if update 1 ran eagerly: eager DDP is
-no option any more, DDP's reducer was released after the first compiled step), torch's own step
-recreates the state after it, and the updates return into the backward from the next update on.
+It follows Note [Optimizer update inside the backward] (compile_core/in_backward/__init__.py). Besides
+switching on after update 1 and off for good when the model or the optimizer no longer fits, the
+controller restarts the in-backward updates when optimizer state the compiled backward reads has gone
+(`optimizer.state.clear()`, a `load_state_dict` without some parameters): that update's backward is the
+compiled variant that only reduces (compiled then, once, if update 1 ran eagerly: eager DDP is no option
+any more, DDP's reducer was released after the first compiled step), torch's own step recreates the state
+after it, and the updates return into the backward from the next update on.
+
+Its only contact with the in-graph reducer is the contract of ddp/in_graph/hooks.py: `begin_step(hook or
+None)` before each synchronising forward, `step_outcome()` after the backward.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from compile_core.step.in_backward import OptimizerInBackward, support
+from compile_core.in_backward.graph_inputs import UpdatesHook
+from compile_core.in_backward.optimizer import OptimizerInBackward
+from compile_core.step.optim_math import support
+from ddp.in_graph import InGraphReducer, StepOutcome
 
 logger = logging.getLogger(__name__)
 
 
 class InBackwardController:
-    """When `train_step` updates inside the backward, and why not when it does not (see the Note)."""
+    """When `train_step` updates inside the backward, and why not when it does not (see the module doc)."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        reducer: Any,
+        reducer: InGraphReducer,
         *,
         clip_max_norm: float | None,
         blocker: str | None = None,
     ) -> None:
         self.reducer = reducer
         self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm)
+        self.hook = UpdatesHook(self.updates)
         self.reason: str | None = blocker or support(optimizer)
         """Why updates are not (or no longer) inside the backward; None while they are or may be."""
+        self.active = False
+        """Whether the coming synchronising backwards update (the reducer gets the hook at each one)."""
         self.from_update: int | None = None
         """First update applied inside the backward."""
         self.updates_in_backward = 0
@@ -44,27 +52,23 @@ class InBackwardController:
         self.restarted_at: list[int] = []
         """Updates that recreated lost optimizer state on the normal path (see the module doc)."""
 
-    @property
-    def active(self) -> bool:
-        return self.reducer.updates is not None
-
     def before_sync_step(self, index: int) -> None:
         """Before the forward of the micro-batch of update `index` that will update: stale templates
         switch us off; lost optimizer state pauses us for this update; else this update's scalars (step
-        counts, schedules) are computed."""
-        if not self.active:
-            return
-        changed = self.updates.changed_hyperparameters()
-        if changed is not None:
-            self._stop(changed)
-        elif not self._paused_for_lost_state(index):
-            self.updates.refresh()
+        counts, schedules) are computed. The reducer learns whether this step's backward updates."""
+        if self.active:
+            changed = self.updates.changed_hyperparameters()
+            if changed is not None:
+                self._stop(changed)
+            elif not self._paused_for_lost_state(index):
+                self.updates.refresh()
+        self.reducer.begin_step(self.hook if self.active else None)
 
     def _paused_for_lost_state(self, index: int) -> bool:
         lost = self.updates.lost_state()
         if not lost:
             return False
-        self.reducer.updates = None  # `after_update` switches back on
+        self.active = False  # `after_update` switches back on
         self.restarted_at.append(index)
         logger.warning(
             "train_step: %d parameter(s) lost their optimizer state before update %d (cleared, or a checkpoint "
@@ -87,38 +91,34 @@ class InBackwardController:
             and not getattr(ddp, "static_graph", False)
         )
 
-    def after_update(
-        self, index: int, *, before_prepare: Callable[[], None] = lambda: None, ran_eagerly: bool = False
-    ) -> None:
+    def after_update(self, index: int, *, ran_eagerly: bool = False) -> None:
         """After update `index` ran the normal path: switch to in-backward updates when it can. After an
         eager step the compiled graphs are not known yet: each graph's compile decides (a graph break,
         no state: no update in that graph) and `applied()` switches off if none updated."""
         if self.reason is not None or self.active:
             return
-        self.reason = self._blocker(compiled=not ran_eagerly)
+        self.reason = self._blocker(self.reducer.step_outcome(), compiled=not ran_eagerly)
         if self.reason is not None:
             return
-        before_prepare()
         self.updates.prepare()
-        self.reducer.updates = self.updates
+        self.active = True
         if self.from_update is None:
             self.from_update = index + 1
 
-    def _blocker(self, *, compiled: bool = True) -> str | None:
+    def _blocker(self, outcome: StepOutcome, *, compiled: bool = True) -> str | None:
         """Why the model, as the first update showed it, cannot update inside its backward."""
-        reducer = self.reducer
-        if not reducer.reduction.in_graph:
-            return f"the compiled backward does not reduce: {reducer.reduction.reason}"
+        if not outcome.in_graph:
+            return f"the compiled backward does not reduce: {outcome.not_in_graph_reason}"
         if not compiled:
             return None
-        if reducer.graphs_last_step != 1:
+        if outcome.graphs != 1:
             return (
-                f"the model ran as {reducer.graphs_last_step} compiled graph(s); updates inside the backward "
+                f"the model ran as {outcome.graphs} compiled graph(s); updates inside the backward "
                 "need the model in one graph"
             )
-        after = sorted(set(reducer.last_leftovers))
-        if self.updates.clip_max_norm is not None and (after or reducer.ignored):
-            kept = after or sorted(reducer.ignored)
+        after = sorted(set(outcome.reduced_after))
+        if self.updates.clip_max_norm is not None and (after or outcome.ignored):
+            kept = after or sorted(outcome.ignored)
             return (
                 f"clipping needs the global norm of every gradient inside the backward, but {kept[:5]} "
                 "are reduced after it (or not reduced: ignored by DDP)"
@@ -129,25 +129,27 @@ class InBackwardController:
         """Whether the backward just run updated the parameters (then the optimizer step is skipped)."""
         if not self.active:
             return False
-        if self.reducer.updated_in_backward:
+        outcome = self.reducer.step_outcome()
+        if outcome.hook_ran:
             self.updates_in_backward += 1
             return True
-        self._stop(self.reducer.update_blocker or "the compiled graph did not update the parameters")
+        self._stop(outcome.hook_reason or "the compiled graph did not update the parameters")
         return False
 
     def _stop(self, reason: str) -> None:
         self.reason = reason
-        self.reducer.updates = None
+        self.active = False
 
     def to_dict(self, requested: bool) -> dict[str, Any]:
+        outcome = self.reducer.step_outcome()
         return {
             "requested": requested,
             "active": self.active,
             "from_update": self.from_update,
             "updates_in_backward": self.updates_in_backward,
             "restarted_after_lost_state": list(self.restarted_at),
-            "grads_kept_last_backward": self.reducer.grads_kept,
-            "not_updated_in_backward": list(self.reducer.not_updated),
+            "grads_kept_last_backward": outcome.grads_kept,
+            "not_updated_in_backward": list(outcome.skipped),
             "clip": None
             if self.updates.clip_max_norm is None
             else "global norm of all reduced gradients, after the last all-reduce, inside the backward",

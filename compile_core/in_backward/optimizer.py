@@ -1,88 +1,25 @@
-"""The optimizer side of `optimizer_in_backward=True`: which optimizers, their math as graphs, their state.
+"""The optimizer side of the update inside the backward: which optimizers, their math as graphs, their state.
 
-Note [Optimizer update inside the backward]
--------------------------------------------
-Background: with `ddp="in_graph"` each gradient bucket is all-reduced inside the compiled
-backward. The update of a bucket's parameters needs nothing else, so it can run right there,
-while the rest of the backward still computes, and the bucket's gradients need never be stored.
-
-Algorithm:
-  * Update 1 runs as eager DDP (forward, backward with DDP's reducer, `optimizer.step()`; without
-    clipping or static_graph), which creates the optimizer's state exactly as torch does and compiles
-    nothing: a compiled update 1 needed a backward variant of its own (reduce without update) for that
-    single step. Before its backward the autograd graph is read for parameters that get gradients from
-    outside the model's outputs (`ddp/in_graph/probe.py: eager_outside_producers`); the compiled
-    backward leaves those to the normal step. With clipping or static_graph, update 1 is compiled
-    (reduce only) and shows how the model compiles.
-  * Then, per param group and parameter dtype/device, the update math of compile_core/step/optim_math.py
-    (torch's single-tensor SGD/Adam/AdamW step, with its step-dependent scalars computed on the host
-    per parameter and passed in as one small vector) is captured once, on one small throwaway
-    parameter, as an aten graph whose only in-place ops are the final copies into the parameter and
-    the state (`aot.torch_dynamo.capture_functional`). The math is elementwise, so one graph serves
-    every parameter shape of that group.
-  * From update 2 the compiled backward applies that update right after its bucket's all-reduce lands
-    (ddp/in_graph/graph_pass.py): the graph is spliced in per parameter, so Inductor fuses the updates of
-    a bucket with each other and with the gradient's last kernels, with that update's scalar vector
-    (computed before the forward: lr, betas, momentum, weight decay and the step count are values, so
-    schedules never recompile); the state tensors are the optimizer's own, updated in place, so
-    `optimizer.state_dict()` is what an eager run gives. (On the CPU an opaque op per bucket used to call
-    the math compiled once instead, to keep the C++ compile of the update variant near the reduce
-    variant's: a mechanism only the CPU bed used, removed; the update variant compiles longer there.)
-
-Notes: only SGD, Adam and AdamW (exactly these classes, any of their options, foreach and fused
-included) are done in the backward; any other optimizer, or a model that does not compile into a
-single graph, keeps the normal path and the report says why. A parameter the backward does not
-update (reduced after the backward because something outside the graph adds to its gradient,
-ignored by DDP, or without optimizer state yet because it had no gradient so far) keeps its
-gradient and is updated by the normal `optimizer.step()` right after the backward, in the same
-step: torch skips the parameters whose gradient is None, i.e. those already updated. With
-clipping, every gradient must be inside the graph (the global norm is taken there), else the whole
-update stays on the normal path. Only structural options are baked into the captured graph
-(momentum on/off, nesterov, maximize, amsgrad, and whether beta1 is above 0.5, which picks `lerp`'s
-formula for the first moment): changing one switches back to the normal path, with the reason.
-Weight decay is always in the graph (0 decays by exactly nothing), so it may change freely.
-
-Debugging: `TrainStep.report()` has an `optimizer_in_backward` entry (active, reason, from which
-update); `TORCH_LOGS=output_code` shows the update kernels between the backward's kernels.
+`OptimizerInBackward` captures one update graph per (param group, dtype, device) after update 1 (see
+Note [Optimizer update inside the backward] in compile_core/in_backward/__init__.py) and hands out, per
+update, each parameter's live state tensors and its row of scalars (compile_core/step/optim_math.py).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
 
 from aot.torch_dynamo import capture_functional
+from compile_core.in_backward.splice import UpdateTemplate
 from compile_core.step import optim_math
-from ddp.in_graph.graph_pass import UpdateTemplate
 from inductor.torch_inductor import decompositions
-
-logger = logging.getLogger(__name__)
-
-_SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-
-
-def support(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why the optimizer's update cannot run per bucket inside the backward (None when it can)."""
-    if type(optimizer) not in _SUPPORTED:
-        names = ", ".join(c.__name__ for c in _SUPPORTED)
-        return f"{type(optimizer).__name__} is not one of {names} (its update is not known per parameter)"
-    for i, group in enumerate(optimizer.param_groups):
-        if group.get("differentiable"):
-            return f"param group {i} has differentiable=True"
-        if any(p.is_sparse for p in group["params"]) or group.get("sparse"):
-            return f"param group {i} has sparse parameters"
-        if not optim_math.covers(group["params"]):
-            return f"param group {i} has complex (or non-floating-point) parameters"
-    return None
 
 
 class OptimizerInBackward:
-    """Templates and per-call inputs for the updates the compiled backward applies.
-
-    Implements `ddp.in_graph.update_inputs.UpdateProvider`.
-    """
+    """Templates and per-call inputs for the updates the compiled backward applies (read by
+    compile_core/in_backward/graph_inputs.py for each graph compiled with the updates)."""
 
     def __init__(
         self,

@@ -1,0 +1,122 @@
+"""`InBackwardPath`: the train step's update path with `optimizer_in_backward=True` (an `UpdatePath`,
+compile_core/step/update_path.py).
+
+Update 1 runs as eager DDP where it can (`EagerFirstUpdate`: it creates the optimizer state and shows
+which parameters get gradients from outside the model's outputs), or on the compiled model; from update 2
+the compiled backward updates each bucket's parameters (the controller says when), and torch's step after
+it updates only the parameters the backward left with a gradient. Whenever the update is not inside the
+backward for good (an optimizer or model that does not fit, a GradScaler, CUDA graphs), the path it wraps
+(compiled or eager after the backward) runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from compile_core.in_backward.controller import InBackwardController
+from compile_core.step.config import TrainStepConfig
+from compile_core.step.update import clip_and_step
+from compile_core.step.update_path import EagerMicroBatch, UpdateContext, UpdatePath
+from ddp.in_graph.probe import eager_outside_producers
+from inductor import InductorSettings
+
+logger = logging.getLogger(__name__)
+
+
+def in_backward_blocker(config: TrainStepConfig, *, grad_scaler: bool, device_type: str) -> str | None:
+    """Why `optimizer_in_backward=True` keeps the update after the backward from the first step on, or None
+    (`device_type`: where the model's parameters are; CUDA graphs exist on CUDA only)."""
+    if grad_scaler:
+        return "a GradScaler must see every gradient before any update"
+    kw = config.compile_kwargs
+    settings = InductorSettings(mode=kw.get("mode"), options=kw.get("options"), dynamic=kw.get("dynamic"))
+    if config.backend == "inductor" and settings.cuda_graphs and device_type == "cuda":
+        # Seen, not reasoned: the one run of it (H100, torch 2.11, mode="reduce-overhead", world size 1)
+        # died with SIGSEGV in its first steps, where the same mode without in-backward updates ran.
+        return (
+            "CUDA graphs (mode='reduce-overhead' or 'max-autotune', or triton.cudagraphs) with parameters "
+            "updated inside the captured backward crashed a process (SIGSEGV) in our GPU run and are not "
+            "proven safe; use mode='max-autotune-no-cudagraphs' or the default mode to update inside the backward"
+        )
+    return None
+
+
+class EagerFirstUpdate:
+    """The micro-batches of update 1 as eager DDP (an `EagerMicroBatch`).
+
+    Update 1 creates the optimizer state the backward updates from update 2 on; compiled, it needs a
+    variant of its own (a backward that reduces without updating) compiled for that one update. As
+    eager DDP it costs one eager step, and the autograd graph, read before its backward, shows the
+    parameters that get gradients from outside the model's outputs, which the compiled backward must
+    leave to the step after it."""
+
+    def __init__(self, ctx: UpdateContext) -> None:
+        self.ctx = ctx
+        self.outside: set[int] = set()
+        """Parameters update 1's micro-batches found with gradients from outside the model's outputs."""
+
+    def running(self) -> Any:
+        return self.ctx.compiled.eager()
+
+    def before_backward(self, output: Any, loss: torch.Tensor) -> None:
+        self.outside |= eager_outside_producers(output, loss)
+
+    def after_sync_backward(self) -> None:
+        self.ctx.compiled.in_graph.after_eager_step(self.outside)
+
+
+class InBackwardPath:
+    """The update inside the compiled backward, around the path `after` (see the module docstring)."""
+
+    def __init__(self, ctx: UpdateContext, after: UpdatePath) -> None:
+        self.ctx = ctx
+        self.after = after
+        self.controller = InBackwardController(
+            ctx.optimizer,
+            ctx.compiled.in_graph,
+            clip_max_norm=ctx.config.clip_grad_norm,
+            blocker=in_backward_blocker(
+                ctx.config, grad_scaler=ctx.grad_scaler is not None, device_type=ctx.device_type
+            ),
+        )
+        if self.controller.reason is not None:
+            logger.warning("train_step: optimizer update stays after the backward: %s", self.controller.reason)
+        self._eager = EagerFirstUpdate(ctx)
+
+    def before_forward(self, index: int, *, sync: bool, first: bool) -> EagerMicroBatch | None:
+        if sync:
+            self.controller.before_sync_step(index)  # this update's scalars (the scheduler's lr, betas)
+        return self._eager if self._eager_first(index) else None
+
+    def _eager_first(self, index: int) -> bool:
+        return index == 1 and self.controller.eager_first_update(self.ctx.ddp)
+
+    def apply(self, index: int) -> torch.Tensor | None:
+        ctx, controller = self.ctx, self.controller
+        if controller.applied():
+            # The backward updated the parameters it reduced alone; the others (reduced after it,
+            # ignored by DDP, or first seen with a gradient) hold their gradient: torch's step
+            # updates exactly those and skips the rest (gradient None).
+            if any(p.grad is not None for p in ctx.params):
+                ctx.optimizer.step()
+            return controller.updates.norm
+        if controller.reason is None:
+            # Update 1 (or one that recreates lost state) runs eagerly with the user's own hyperparameters:
+            # it creates the optimizer state the backward will update.
+            ran_eagerly = self._eager_first(index)
+            norm = clip_and_step(ctx.params, ctx.config.clip_grad_norm, ctx.optimizer)()
+            controller.after_update(index, ran_eagerly=ran_eagerly)
+            return norm
+        return self.after.apply(index)
+
+    def mode(self) -> str:
+        return "inside the backward" if self.controller.active else self.after.mode()
+
+    def params_changed(self) -> None:
+        self.after.params_changed()
+
+    def report_fields(self) -> dict[str, Any]:
+        return {**self.after.report_fields(), "optimizer_in_backward": self.controller.to_dict(True)}

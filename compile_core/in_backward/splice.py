@@ -1,0 +1,218 @@
+"""The updates spliced into the compiled backward: each bucket waited for, then its parameters updated.
+
+`SplicedUpdates` is the `AfterReduce` (ddp/in_graph/hooks.py) of a graph compiled with updates: the graph
+pass calls it once every bucket's all-reduce is issued, and it places each bucket's wait and, after it,
+one copy of the parameter's update graph (`UpdateTemplate`, captured by compile_core/in_backward/optimizer.py)
+per parameter, on the real parameter and state tensors. Without clipping the buckets are pipelined
+(`UpdateSpec.lookahead`): bucket k waits and updates while bucket k+1 is on the wire, after every read of
+its parameters by the rest of the backward. With clipping every bucket lands first: the global norm
+needs all of them (as `clip_grad_norm_`), then every bucket updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+from ddp.in_graph.hooks import IssuedBucket, NodeBuilder, ReducedBackward
+from inductor.torch_inductor import order_after
+
+_ops = torch.ops.aten
+_prims = torch.ops.prims
+
+
+def _code_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+_CODE_HASH = _code_hash()
+"""This package's code: what it splices changes with it (a compiled graph from a cache must match)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateTemplate:
+    """One parameter's optimizer update as a functional aten graph (built by compile_core/in_backward/optimizer.py)."""
+
+    graph: fx.GraphModule
+    """Inputs in Dynamo's order; its only in-place ops are `copy_` into the parameter and state."""
+    positions: tuple[int | None, ...]
+    """Graph input position of each role: param, grad, *state tensors, *hyperparameter tensors."""
+    state_keys: tuple[str, ...]
+    """Keys of `optimizer.state[p]` passed as state tensors, in role order."""
+    hyper_keys: tuple[str, ...]
+    """Group hyperparameter tensors that follow ("lr", "beta1", "beta2")."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSpec:
+    """What one backward needs to update parameters in place."""
+
+    templates: Mapping[int, UpdateTemplate]
+    """Parameter input index -> its update."""
+    role_inputs: Mapping[int, tuple[int, ...]]
+    """Parameter input index -> graph input indices of its state and hyperparameter tensors."""
+    clip_max_norm: float | None = None
+    """Clip the global norm of all reduced gradients first (all buckets wait, then all update)."""
+    norm_input: int | None = None
+    """Graph input index of a 0-dim tensor that receives the total norm (with clipping)."""
+    lookahead: int | None = 1
+    """Buckets issued after bucket k before the backward waits for k and updates it: 1 pipelines
+    (gradients die early; the compute thread may wait on the wire); None waits for every bucket
+    only after the backward's last gradient (the wire never waits on an update)."""
+
+
+class SplicedUpdates:
+    """The `AfterReduce` of a graph whose backward updates its parameters (see the module docstring)."""
+
+    def __init__(self, spec: UpdateSpec) -> None:
+        self.spec = spec
+
+    def cache_key(self) -> str:
+        u = self.spec
+        return repr(
+            (
+                _CODE_HASH,
+                sorted((i, t.graph.code, t.positions, t.state_keys, t.hyper_keys) for i, t in u.templates.items()),
+                sorted(u.role_inputs.items()),
+                u.clip_max_norm,
+                u.norm_input,
+                u.lookahead,
+            )
+        )
+
+    def place(self, backward: ReducedBackward) -> None:
+        """Each bucket: wait, then apply its parameters' updates, as soon as it is safe."""
+        updates, builder, outputs = self.spec, backward.builder, backward.outputs
+        graph = backward.backward.graph
+        input_node = backward.saved_input
+        for bucket in backward.buckets:
+            for index in bucket.input_indices:
+                if index in updates.templates:
+                    input_node(index)
+                    for extra in updates.role_inputs[index]:
+                        input_node(extra)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        ours = set(graph.nodes)  # nodes that existed before the updates: the backward's own reads
+        output = next(n for n in graph.nodes if n.op == "output")
+        norm_node = input_node(updates.norm_input) if updates.norm_input is not None else None
+        last_update: dict[int, fx.Node] = {}  # bucket position -> the last node of its parameters' update
+
+        def last_reader(bucket: IssuedBucket) -> fx.Node:
+            saved = [input_node(i) for i in bucket.input_indices if i in updates.templates]
+            readers = [u for node in saved for u in node.users if u in ours and u is not output]
+            return max(readers, key=order.__getitem__, default=bucket.reduced)
+
+        def finish(k: int, bucket: IssuedBucket, views: tuple[tuple[int, fx.Node], ...], scale: Any = None) -> None:
+            for (position, view), index in zip(views, bucket.input_indices):
+                grad = view if scale is None else builder.call(_ops.mul.Tensor, [view, scale])
+                if index not in updates.templates:
+                    outputs[position] = grad  # no update here: the optimizer step after the backward uses it
+                    continue
+                last = _apply_update(builder, updates, index, input_node, grad)
+                if last is not None:
+                    last_update[k] = last
+                outputs[position] = None  # updated in place: no gradient is kept
+
+        if updates.clip_max_norm is not None:
+            # The global norm needs every reduced gradient: all buckets land first, as in
+            # `clip_grad_norm_` (norm of the per-gradient norms, coefficient clamped at 1).
+            with graph.inserting_before(output):
+                views = [backward.wait_and_split(b).views for b in backward.buckets]
+                coef = _clip_coefficient(builder, [v for b in views for _, v in b], updates.clip_max_norm, norm_node)
+                for k, (bucket, bucket_views) in enumerate(zip(backward.buckets, views)):
+                    finish(k, bucket, bucket_views, coef)
+            return
+        end = output.prev  # the backward's own last node, before any update is added
+        by_issue = sorted(range(len(backward.buckets)), key=lambda k: order[backward.buckets[k].reduced])
+        waits: dict[int, fx.Node] = {}
+        previous: tuple[int, fx.Node] | None = None  # (anchor position, last node) of the block placed before
+        for n, k in enumerate(by_issue):
+            bucket = backward.buckets[k]
+            # Pipelined: bucket k's update overlaps the next bucket's all-reduce, and comes after every
+            # read of bucket k's parameters by the rest of the backward, and after bucket k-1's block.
+            ahead = n + updates.lookahead if updates.lookahead is not None else len(by_issue)
+            anchor = backward.buckets[by_issue[ahead]].reduced if ahead < len(by_issue) else end
+            anchor = max(anchor, last_reader(bucket), key=order.__getitem__)
+            position = order[anchor]
+            if previous is not None and position <= previous[0]:
+                position, anchor = previous[0], previous[1]
+            with graph.inserting_after(anchor):
+                marker = graph.call_function(_ops.alias.default, (bucket.reduced,))  # insertion point, removed below
+            with graph.inserting_before(marker):
+                landed = backward.wait_and_split(bucket)
+                waits[k] = landed.wait
+                finish(k, bucket, landed.views)
+            previous = (position, marker.prev)
+            graph.erase_node(marker)
+        # Inductor's scheduler may otherwise sink a wait below a later bucket's update: pin the pipeline
+        # order issue(k+1) -> wait(k) -> update(k) -> wait(k+1).
+        deps: dict[fx.Node, list[fx.Node]] = {}
+        for n, k in enumerate(by_issue):
+            ahead = n + updates.lookahead if updates.lookahead is not None else len(by_issue)
+            after = [backward.buckets[by_issue[ahead]].reduced] if ahead < len(by_issue) else [end]
+            if n > 0 and by_issue[n - 1] in last_update:
+                after.append(last_update[by_issue[n - 1]])
+            deps[waits[k]] = after
+        order_after(graph, deps)
+
+
+def _clip_coefficient(
+    builder: NodeBuilder, grads: list[fx.Node], max_norm: float, norm_node: fx.Node | None
+) -> fx.Node:
+    """`clip_grad_norm_`'s coefficient over `grads` (the total norm copied into `norm_node` when given)."""
+    # Core aten ops only: nodes added after partitioning skip Inductor's decompositions.
+    # As `clip_grad_norm_`: each gradient's norm is computed in fp32 and rounded to the
+    # gradient's dtype (what `_foreach_norm` returns), the total norm of those in fp32.
+    norms = []
+    for v in grads:
+        wide = builder.call(_prims.convert_element_type.default, [v, torch.float32])
+        norm = builder.call(
+            _ops.sqrt.default, [builder.call(_ops.sum.default, [builder.call(_ops.mul.Tensor, [wide, wide])])]
+        )
+        if v.meta["val"].dtype != torch.float32:
+            norm = builder.call(
+                _prims.convert_element_type.default,
+                [builder.call(_prims.convert_element_type.default, [norm, v.meta["val"].dtype]), torch.float32],
+            )
+        norms.append(builder.call(_ops.view.default, [builder.call(_ops.mul.Tensor, [norm, norm]), [1]]))
+    total = builder.call(_ops.sqrt.default, [builder.call(_ops.sum.default, [builder.call(_ops.cat.default, [norms])])])
+    if norm_node is not None:
+        builder.call(_ops.copy_.default, [norm_node, total])
+    # scalar_tensor, not full_like: Inductor lowers it as it is (full_like only through a decomposition)
+    limit = builder.call(
+        _ops.scalar_tensor.default,
+        [float(max_norm)],
+        {"dtype": total.meta["val"].dtype, "device": total.meta["val"].device},
+    )
+    return builder.call(
+        _ops.clamp_max.default,
+        [builder.call(_ops.div.Tensor, [limit, builder.call(_ops.add.Tensor, [total, 1e-6])]), 1.0],
+    )
+
+
+def _apply_update(
+    builder: NodeBuilder, updates: UpdateSpec, index: int, input_node: Callable[[int], fx.Node], grad: fx.Node
+) -> fx.Node | None:
+    """Copy the parameter's update template into the backward, on the real parameter and state."""
+    template = updates.templates[index]
+    roles = [input_node(index), grad] + [input_node(i) for i in updates.role_inputs[index]]
+    placeholders = [n for n in template.graph.graph.nodes if n.op == "placeholder"]
+    env: dict[fx.Node, Any] = {}
+    for role, position in zip(roles, template.positions):
+        if position is not None:
+            env[placeholders[position]] = role
+    last = None
+    for node in template.graph.graph.nodes:
+        if node.op == "call_function":
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            env[node] = last = builder.call(node.target, args, kwargs)
+    return last

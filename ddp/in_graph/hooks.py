@@ -1,0 +1,187 @@
+"""The one contract between the in-graph reducer and work that runs where a bucket's all-reduce lands.
+
+The reducer all-reduces each bucket inside the compiled backward and knows nothing of optimizers. A caller
+that wants to do more at that spot (compile_core/in_backward/: the optimizer update per bucket) hands the
+reducer a `BackwardHook` and reads one `StepOutcome` back:
+
+    reducer.begin_step(hook)          # before the forward of a synchronising micro-batch (None: no hook)
+    ... forward, backward ...
+    outcome = reducer.step_outcome()  # after its backward
+
+The hook stays in effect for the synchronising forwards that follow, until the next `begin_step`. While
+one is set, the reducer compiles its hooked variants (`ddp/in_graph/variants.py`), and for each graph it
+compiles there:
+
+  * compile time, per graph: `BackwardHook.for_graph(GraphToCompile)` may add graph inputs (through
+    `GraphInputs.add`) and returns a `HookedGraph`: the `AfterReduce` the graph pass calls, and which
+    parameters' gradients it uses up inside the graph (they are not returned);
+  * graph pass, per graph: once every bucket's all-reduce is issued, `AfterReduce.place(ReducedBackward)`
+    places each bucket's wait and what runs after it. Without a hook the pass places the waits itself,
+    just before the backward's output.
+
+Nothing here imports anything above `ddp`: the arrows go down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import torch
+import torch.fx as fx
+
+from ddp.bucketing.grad_buckets import GradBucketPlan
+
+# -- compile time ------------------------------------------------------------------------------------
+
+
+class GraphInputs:
+    """The example inputs of a graph being compiled, and the inputs added to it: each added input has an
+    example (for the compile) and a producer called at every run of the graph, in the order it takes them."""
+
+    def __init__(self, examples: Sequence[Any]) -> None:
+        self.examples: list[Any] = list(examples)
+        self.producers: list[Callable[[], torch.Tensor]] = []
+
+    def add(self, example: torch.Tensor, make: Callable[[], torch.Tensor]) -> int:
+        """Append one input (`example` to compile with, `make` for every run); returns its index."""
+        self.examples.append(example)
+        self.producers.append(make)
+        return len(self.examples) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphToCompile:
+    """One graph the reducer compiles in a hooked variant, as the hook sees it."""
+
+    name: str
+    gm: fx.GraphModule
+    """The captured graph (Dynamo's), before AOTAutograd."""
+    inputs: GraphInputs
+    """Its inputs; the hook may add its own."""
+    plan: GradBucketPlan
+    """The buckets its backward all-reduces (by graph input index)."""
+    names: Mapping[int, str]
+    """id(parameter) -> the user's parameter name."""
+
+
+class NodeBuilder(Protocol):
+    """Adds call_function nodes to the backward graph, each with its fake value (what Inductor lowers)."""
+
+    graph: fx.Graph
+
+    def call(self, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> fx.Node:
+        """A node at the graph's current insertion point."""
+        ...
+
+    def after(
+        self, cursor: fx.Node, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
+    ) -> fx.Node:
+        """A node right after `cursor`."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class IssuedBucket:
+    """A bucket whose all-reduce the backward has issued, not yet waited for."""
+
+    members: tuple[tuple[int, fx.Node], ...]
+    """(output position, gradient node) per parameter of the bucket with a gradient in this graph."""
+    input_indices: tuple[int, ...]
+    """The graph input index of each member's parameter, in the same order."""
+    dtype: torch.dtype
+    """The gradients' dtype (the wire may be narrower)."""
+    reduced: fx.Node
+    """The all_reduce node."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Landed:
+    """A bucket waited for and split back into its gradients (`ReducedBackward.wait_and_split`)."""
+
+    wait: fx.Node
+    """Its wait_tensor node."""
+    views: tuple[tuple[int, fx.Node], ...]
+    """(output position, reduced gradient) per member, in the bucket's order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducedBackward:
+    """What the graph pass hands `AfterReduce.place`: a backward whose buckets are issued, none waited for."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    buckets: tuple[IssuedBucket, ...]
+    """In plan order (each bucket's `reduced` node says where it was issued)."""
+    builder: NodeBuilder
+    outputs: list[Any]
+    """The backward's outputs by position: a member's position must receive its reduced gradient (`views`),
+    or None when the hook used the gradient up inside the graph."""
+    wait_and_split: Callable[[IssuedBucket], Landed]
+    """Adds, at the builder's insertion point, the bucket's wait and its split into gradients."""
+    saved_input: Callable[[int], fx.Node]
+    """The backward's node for forward input `index`, saved for the backward when it is not yet. Saved
+    without autograd's version check: a hook may write it in place, live."""
+
+
+class AfterReduce(Protocol):
+    """Places each bucket's wait, and what runs after it, in one backward graph."""
+
+    def place(self, backward: ReducedBackward) -> None:
+        """Wait for every bucket of `backward` (through `wait_and_split`) and fill its outputs."""
+        ...
+
+    def cache_key(self) -> str:
+        """Everything that shapes what `place` adds (its code included): compiled graphs are reused from a
+        cache only when it is the same."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class HookedGraph:
+    """What a hook does in one graph (`BackwardHook.for_graph`)."""
+
+    after_reduce: AfterReduce | None
+    """Placed by the graph pass; None: this graph's backward only reduces (see `reason`)."""
+    consumed: frozenset[int] = frozenset()
+    """Graph input indices whose reduced gradient `after_reduce` uses up inside the graph: those gradients
+    are not returned, so nothing outside the graph may add to them."""
+    skipped: tuple[str, ...] | None = None
+    """Planned parameters the hook leaves alone (their reduced gradient is returned); None: not looked at."""
+    reason: str | None = None
+    """Why `after_reduce` is None, for people."""
+
+
+class BackwardHook(Protocol):
+    """What the reducer is handed by `begin_step`."""
+
+    def for_graph(self, graph: GraphToCompile) -> HookedGraph:
+        """What this hook does in `graph` (called once per graph compiled in a hooked variant)."""
+        ...
+
+
+# -- run time -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """The reducer after a synchronising backward (`InGraphReducer.step_outcome`)."""
+
+    hook_ran: bool
+    """A graph whose hook used gradients up ran in this step's backward."""
+    hook_reason: str | None
+    """Why the last graph compiled in a hooked variant does not use its hook (None: it does)."""
+    skipped: tuple[str, ...]
+    """Planned parameters the last hooked graph leaves alone (their gradient is returned)."""
+    graphs: int
+    """Compiled graphs the last synchronising forward ran."""
+    reduced_after: tuple[str, ...]
+    """Parameters reduced after the last synchronising backward, not inside a graph."""
+    ignored: tuple[str, ...]
+    """Parameters DDP ignores (never reduced)."""
+    grads_kept: int
+    """Parameters holding a `.grad` when the last synchronising backward ended."""
+    in_graph: bool
+    """Whether the compiled backward reduces (else DDP's reducer does, with the user's comm hook)."""
+    not_in_graph_reason: str | None
+    """Why it does not, for people."""
