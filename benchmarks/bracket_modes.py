@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.modes import ModeContext, ModeUnavailable, Step, compile_options
+from benchmarks.modes import ModeContext, ModeUnavailable, Step, autocast_region, compile_options
 from examples.gpt import lm_loss
 
 WIRE_DTYPES = {None: None, "fp16": torch.float16}
@@ -44,7 +44,8 @@ def build_floor(ctx: ModeContext) -> Step:
         optimizer.step()
 
     def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(compiled(x), y)
+        with autocast_region(ctx):
+            loss = lm_loss(compiled(x), y)
         loss.backward()
         optimizer_step()
         optimizer.zero_grad(set_to_none=True)

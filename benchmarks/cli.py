@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="reduce_dtype= for our ddp='in_graph' modes only; other modes unchanged",
     )
     p.add_argument(
+        "--autocast",
+        choices=("none", "bf16"),
+        default="none",
+        help="bf16: every mode's forward and loss under torch.autocast(device, bfloat16) (train_step modes: "
+        "autocast=torch.bfloat16); parameters, gradients and optimizer state stay fp32",
+    )
+    p.add_argument(
         "--compile-mode",
         choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
         default="default",
@@ -250,6 +257,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         comm_hook=None if args.comm_hook == "none" else args.comm_hook,
         reduce_dtype=args.reduce_dtype,
         compile_mode=None if args.compile_mode == "default" else args.compile_mode,
+        autocast=None if args.autocast == "none" else args.autocast,
         nested_regions=args.nested_regions,
         compile_threads=args.compile_threads,
     )

@@ -7,6 +7,7 @@ could tell about itself (graph pieces, the compile report, planned buckets).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -52,6 +53,17 @@ class ModeContext:
     """The comm hook the worker registered on `ddp` (--comm-hook: None or 'fp16')."""
     reduce_dtype: torch.dtype | None = None
     """reduce_dtype= for our ddp='in_graph' modes (--reduce-dtype); None: the gradients' dtype."""
+    autocast: torch.dtype | None = None
+    """--autocast: forward and loss of every mode under `torch.autocast(device, dtype)` (train_step modes get
+    `autocast=`, which does the same inside the step); None: fp32 throughout."""
+
+
+def autocast_region(ctx: ModeContext) -> contextlib.AbstractContextManager:
+    """What the forward and the loss run under: the run's autocast on the model's device, or nothing."""
+    if ctx.autocast is None:
+        return contextlib.nullcontext()
+    device = next(ctx.model.parameters()).device.type
+    return torch.autocast(device_type=device, dtype=ctx.autocast)
 
 
 def compile_options(ctx: ModeContext) -> dict[str, Any]:
@@ -107,7 +119,8 @@ class _PieceCounter(logging.Handler):
 
 def _eager_optimizer_step(ctx: ModeContext, forward: Callable[[torch.Tensor], torch.Tensor]):
     def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(forward(x), y)
+        with autocast_region(ctx):
+            loss = lm_loss(forward(x), y)
         ctx.mark_backward()
         loss.backward()
         ctx.optimizer.step()
@@ -157,7 +170,8 @@ def build_torch_savvy(ctx: ModeContext) -> Step:
         optimizer.step()
 
     def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(compiled(x), y)
+        with autocast_region(ctx):
+            loss = lm_loss(compiled(x), y)
         ctx.mark_backward()
         loss.backward()
         optimizer_step()
@@ -181,7 +195,8 @@ def build_torch_python_reducer(ctx: ModeContext) -> Step:
     ddp = ctx.ddp
 
     def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(ddp(x), y)
+        with autocast_region(ctx):
+            loss = lm_loss(ddp(x), y)
         loss.backward()
         return loss.detach()
 
@@ -256,8 +271,10 @@ def build_ours_in_graph(ctx: ModeContext) -> Step:
 def _ours_step(ctx: ModeContext, **options: Any) -> Step:
     import compile_core
 
+    # autocast= puts the forward and the loss under torch.autocast inside the step, as the other modes do
+    amp = {"autocast": ctx.autocast} if ctx.autocast is not None else {}
     step = compile_core.train_step(
-        ctx.ddp, ctx.optimizer, lm_loss, **compile_options(ctx), **_reduction(ctx, options["ddp"]), **options
+        ctx.ddp, ctx.optimizer, lm_loss, **compile_options(ctx), **_reduction(ctx, options["ddp"]), **amp, **options
     )
     # the backward runs inside the step, so the recorder falls back to the first bucket's ready time
     return Step(run=lambda x, y: step(x, y).detach(), info=lambda: _report_info(step))

@@ -12,10 +12,7 @@ Checked with a 2-rank script (eager DDP, compile_core split and in_graph) on thi
 * every all-reduce is issued through the op `c10d::allreduce_` on the thread that runs the backward (DDP's
   reducer calls it from its bucket hook; the in-graph `_c10d_functional::all_reduce` calls it inside);
 * gloo runs it on one of its worker threads as a `gloo:all_reduce` event, first in, first started;
-* the backward's autograd nodes are `autograd::engine::evaluate_function: ...` events;
-* a two-rank in-graph bucket (ddp/in_graph/pair_exchange.py) is issued as `ddp_compile::pair_exchange`, and
-  its receive is a `gloo:recv` event that ends when the bucket's wait (`wait_tensor`) waits for it, not when
-  the bytes arrived: for those modes a bucket's done time, and so the exposed ms, is an upper bound.
+* the backward's autograd nodes are `autograd::engine::evaluate_function: ...` events.
 
 Per profiled step (the worker wraps each one in a `bench::step` record_function), exactly as the recorder
 defines it (ddp/overlap/intervals.py, its Note): all-reduce i is the interval [issue_i, done_i], the i-th
@@ -45,10 +42,10 @@ from typing import Any, Iterable, Sequence
 
 STEP_MARK = "bench::step"
 """record_function name the worker puts around each profiled step."""
-ISSUE = ("c10d::allreduce_", "ddp_compile::pair_exchange")
-"""Where a bucket's reduction is issued: an all-reduce, or a two-rank exchange."""
-DONE = ("gloo:all_reduce", "gloo:recv")
-"""Where gloo ran it: the all-reduce on a worker thread, or the exchange's receive (ended at its wait)."""
+ISSUE = ("c10d::allreduce_",)
+"""Where a bucket's reduction is issued."""
+DONE = ("gloo:all_reduce",)
+"""Where gloo ran it: the all-reduce on a worker thread."""
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 MEMORY = "[memory]"
 
@@ -63,11 +60,18 @@ class Event:
     end_us: float
     nbytes: int = 0
     """Signed bytes of a `[memory]` event (allocation > 0, free < 0); 0 for other events."""
+    device: str = "cpu"
+    """Where the event ran: "cpu" (host ops, annotations, runtime calls) or "cuda" (kernels, copies, and the
+    GPU side of annotations), recorded only when the profiler traced CUDA (benchmarks/kernels.py)."""
+    kind: str = ""
+    """Kineto's activity type ("cpu_op", "user_annotation", "kernel", "gpu_memcpy", ...) where this torch
+    reports it; "" where it does not (then benchmarks/kernels.py classifies by name)."""
 
 
 def step_windows(events: Sequence[Event]) -> list[tuple[float, float]]:
     """(start, end) of every `bench::step` mark, in time order."""
-    return sorted((e.start_us, e.end_us) for e in events if e.name == STEP_MARK)
+    # with CUDA traced, kineto repeats each annotation on the GPU timeline: the host's mark is the step
+    return sorted((e.start_us, e.end_us) for e in events if e.name == STEP_MARK and e.device == "cpu")
 
 
 def _within(events: Iterable[Event], window: tuple[float, float], names: tuple[str, ...]) -> list[Event]:
@@ -159,19 +163,30 @@ def label_buckets(timeline: dict[str, Any], planned: Sequence[dict[str, Any]] | 
 
 
 class StepProfiler:
-    """torch.profiler around the last steps of a job; `events()` afterwards (CPU activity, memory on)."""
+    """torch.profiler around the last steps of a job; `events()` afterwards. By default CPU activity with
+    memory events (the overlap and tensor-peak figures); `cuda=True` traces the GPU's kernels too, and
+    `memory=False` leaves out the allocation events (cheaper host time: the kernel figures)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, cuda: bool = False, memory: bool = True, tolerant: bool = False) -> None:
         import torch.profiler as tp
 
-        self._prof = tp.profile(activities=[tp.ProfilerActivity.CPU], profile_memory=True)
+        activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if cuda else [])
+        self._prof = tp.profile(activities=activities, profile_memory=memory)
+        self._tolerant = tolerant
+        self.error: str | None = None
+        """With `tolerant`: why the profiler failed to stop (then it has no events); a job keeps its timings."""
 
     def __enter__(self) -> "StepProfiler":
         self._prof.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._prof.__exit__(*exc)
+        try:
+            self._prof.__exit__(*exc)
+        except Exception as err:
+            if not self._tolerant:
+                raise
+            self.error = f"the profiler failed to stop: {type(err).__name__}: {err}"
 
     @staticmethod
     def mark_step():
@@ -193,8 +208,10 @@ def kineto_events(prof: Any) -> list[Event]:
     out = []
     for e in results.events():
         start = e.start_ns() / 1e3
-        if e.name() == MEMORY and e.device_type() != DeviceType.CPU:
+        on_cpu = e.device_type() == DeviceType.CPU
+        if e.name() == MEMORY and not on_cpu:
             continue  # host tensors only: GPU ranks report their device peak separately (steady_peak_cuda_mb)
+        kind = getattr(e, "activity_type", None)  # a method on torch 2.13; read defensively on other versions
         out.append(
             Event(
                 name=e.name(),
@@ -202,6 +219,19 @@ def kineto_events(prof: Any) -> list[Event]:
                 start_us=start,
                 end_us=max(start, e.end_ns() / 1e3),
                 nbytes=int(e.nbytes()) if e.name() == MEMORY else 0,
+                device="cpu" if on_cpu else str(e.device_type()).rsplit(".", 1)[-1].lower(),
+                kind=_activity(kind),
             )
         )
     return out
+
+
+def _activity(method: Any) -> str:
+    """Kineto's activity type as a lower-case string ("" where this torch does not say)."""
+    if method is None:
+        return ""
+    try:
+        value = method()
+    except Exception:  # an older binding, or one that raises for this event: classify by name instead
+        return ""
+    return str(value).rsplit(".", 1)[-1].lower() if value is not None else ""

@@ -324,6 +324,13 @@ def run_condition_lines(cfg: dict[str, Any]) -> list[str]:
             else "none"
         ),
         f"- torch.compile mode: {cfg.get('compile_mode') or 'default'} (every compiled mode)",
+        "- precision: "
+        + (
+            f"forward and loss under torch.autocast({cfg['autocast']}) in every mode; parameters, gradients and "
+            "optimizer state fp32"
+            if cfg.get("autocast")
+            else "fp32 (no autocast)"
+        ),
         "- blocks: "
         + (
             "each block's forward is a torch.compiler.nested_compile_region (every mode)"

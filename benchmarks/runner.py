@@ -109,14 +109,42 @@ def run_job(spec: JobSpec, jobs_dir: Path, *, timeout_s: float, link: LinkShape 
         return _run_ranks(spec, job_dir, spec_path, prefix=prefix, timeout_s=timeout_s)
 
 
-def _run_ranks(spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[str], timeout_s: float):
+WORKER = ("-m", "benchmarks.worker")
+"""How a rank is started: `python -m benchmarks.worker SPEC.json`."""
+
+
+def start_job(
+    spec: JobSpec, jobs_dir: Path, *, worker: tuple[str, ...] = WORKER
+) -> tuple[Path, list[subprocess.Popen]]:
+    """Start a job's ranks and return at once (its folder and processes): for a caller that runs several jobs
+    side by side (benchmarks/gpu.py) and ends each with `finish_job`. No shaped link. `worker`: the arguments
+    after the interpreter (tests pass a stand-in script)."""
+    job_dir = jobs_dir / spec.job_id
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = job_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec.worker, indent=1))
+    return job_dir, _start_ranks(spec, job_dir, spec_path, prefix=[], worker=worker)
+
+
+def finish_job(
+    spec: JobSpec, job_dir: Path, procs: list[subprocess.Popen], *, timed_out: bool, timeout_s: float, wall_s: float
+) -> dict[str, Any]:
+    """Kill whatever of a started job still runs and collect its result (as `run_job` returns it)."""
+    for p in procs:
+        _kill_group(p)
+    return _collect(spec, job_dir, procs, timed_out=timed_out, timeout_s=timeout_s, wall_s=wall_s)
+
+
+def _start_ranks(
+    spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[str], worker: tuple[str, ...] = WORKER
+) -> list[subprocess.Popen]:
     port = free_port()  # a fresh namespace has every port free: the host's pick is as good as any there
     procs = []
     for rank in range(spec.world_size):
         with open(job_dir / f"rank{rank}.log", "w") as log:
             procs.append(
                 subprocess.Popen(
-                    [*prefix, sys.executable, "-m", "benchmarks.worker", str(spec_path)],
+                    [*prefix, sys.executable, *worker, str(spec_path)],
                     cwd=REPO_ROOT,
                     env=_rank_env(spec, rank, port, shaped=bool(prefix)),
                     stdout=log,
@@ -124,6 +152,11 @@ def _run_ranks(spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[st
                     start_new_session=True,
                 )
             )
+    return procs
+
+
+def _run_ranks(spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[str], timeout_s: float):
+    procs = _start_ranks(spec, job_dir, spec_path, prefix=prefix)
     started = time.monotonic()
     deadline = started + timeout_s
     failed_at: float | None = None

@@ -40,6 +40,7 @@ def _worker_spec(
         "comm_hook": cfg.comm_hook,
         "reduce_dtype": cfg.reduce_dtype,
         "compile_mode": cfg.compile_mode,
+        "autocast": cfg.autocast,
         "nested_regions": cfg.nested_regions,
         "compile_threads": cfg.compile_threads,  # read by the runner: it sets each rank's environment
         "link_gbit": cfg.link_gbit,  # recorded only: the runner shapes the link (benchmarks/link.py)

@@ -17,6 +17,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gate import Gate
+
 
 def _init_process_group(rank: int, world_size: int, timeout_s: float) -> tuple[Any, str]:
     import torch
@@ -79,6 +81,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         recorder = OverlapRecorder.attach(ddp)
     mark = recorder.mark_backward_start if recorder is not None else (lambda: None)
     reduce_dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.get("reduce_dtype")]
+    autocast = {None: None, "bf16": torch.bfloat16}[spec.get("autocast")]
     step = {**BUILDERS, **BRACKET_BUILDERS}[mode](
         ModeContext(
             ddp=ddp,
@@ -89,10 +92,17 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
             comm_hook=spec.get("comm_hook"),
             reduce_dtype=reduce_dtype,
             compile_mode=spec.get("compile_mode"),
+            autocast=autocast,
         )
     )
 
     warmup, steps, profiled = spec["warmup"], spec["steps"], spec.get("profile_steps", 0)
+    # the GPU benchmark's jobs compile side by side, then wait here for their turn to be timed alone
+    gate = Gate(spec["gate_dir"]) if spec.get("gate_dir") else None
+    gate_after = min(int(spec.get("gate_after") or warmup), warmup)  # steps run before the gate (>= 2)
+    gate_wait_s = None
+    kernel_profile = bool(spec.get("kernel_profile"))
+    kernel_error = None
     batches = [
         tuple(
             t.to(device)
@@ -106,9 +116,16 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     cuda_peak = None
     profiler = None
     step_s: list[float] = []
+    host_s: list[float] = []  # until step.run returned, before the sync: the host's share of the step
     losses: list[float] = []
     with contextlib.ExitStack() as stack:
         for i, (x, y) in enumerate(batches):
+            if gate is not None and 0 < i <= gate_after and device.type == "cuda":
+                # many jobs share the GPU while they compile and wait: each holds only what is live between steps
+                torch.cuda.empty_cache()
+            if i == gate_after and gate is not None:
+                gate.arrive({"first_step_s": step_s[0], "two_steps_s": sum(step_s[:2]), "warmup_s": sum(step_s)})
+                gate_wait_s = gate.wait(spec["timeout_s"])
             if i == warmup:
                 peaks.start_steady()  # the steady-state peak covers the timed steps only
                 if device.type == "cuda":
@@ -118,13 +135,23 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
                 cuda_peak = _cuda_peak_mb(device)
                 # what the job holds between steps, before the profiler starts (it allocates for a moment)
                 state_mb = memory.training_state_mb(model, optimizer, ddp)
-                profiler = stack.enter_context(_profiler())  # extra steps after the timed ones: never timed
+                # extra steps after the timed ones: never timed. The GPU benchmark's kernel profile may fail
+                # (CUPTI missing, a torch that traces differently) without losing the job's timings
+                try:
+                    profiler = stack.enter_context(
+                        _profiler(cuda=device.type == "cuda" and kernel_profile, memory=not kernel_profile)
+                    )
+                except Exception as err:
+                    if not kernel_profile:
+                        raise
+                    kernel_error = f"the profiler did not start: {type(err).__name__}: {err}"
             mark_step = profiler.mark_step() if profiler is not None else contextlib.nullcontext()
             clock.start()
             _sync(device)
             t0 = time.perf_counter()
             with mark_step:
                 loss = step.run(x, y)
+            host_s.append(time.perf_counter() - t0)
             _sync(device)
             step_s.append(time.perf_counter() - t0)
             clock.stop(step_s[-1])
@@ -153,6 +180,9 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "two_steps_s": sum(step_s[:2]) if len(step_s) >= 2 else None,
         "step_ms": [1e3 * s for s in timed],
         "median_step_ms": 1e3 * statistics.median(timed),
+        "median_host_ms": 1e3 * statistics.median(host_s[warmup : warmup + steps]),
+        "gate_wait_s": gate_wait_s,
+        "versions": _versions(device),
         "profiled_step_ms": [1e3 * s for s in step_s[warmup + steps :]],
         "losses": losses,
         "final_loss": float(final.item()) / world_size,
@@ -164,8 +194,14 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "compile": clock.summary(warmup),
         "info": info,
     }
-    if profiler is not None:
-        result["profile"] = {**_profile_result(profiler, spec, rank, pg_backend, result["info"]), "state_mb": state_mb}
+    if kernel_profile:
+        result["kernels"] = _kernels(profiler, kernel_error)
+        result["state_mb"] = state_mb  # what the job held between steps, by kind (benchmarks/memory.py)
+    if profiler is not None and not kernel_profile:
+        result["profile"] = {
+            **_profile_result(profiler.events(), spec, rank, pg_backend, result["info"]),
+            "state_mb": state_mb,
+        }
     if recorder is not None:
         result["overlap"] = _overlap_result(recorder, spec, rank, result["info"])
     elif spec["record_overlap"] and mode in IN_GRAPH_MODES:
@@ -196,17 +232,46 @@ def _make_ddp(model, device, spec: dict[str, Any]):
     return ddp
 
 
-def _profiler():
+def _profiler(*, cuda: bool, memory: bool):
     from benchmarks.profile_overlap import StepProfiler
 
-    return StepProfiler()
+    return StepProfiler(cuda=cuda, memory=memory, tolerant=not memory)
 
 
-def _profile_result(profiler, spec: dict[str, Any], rank: int, pg_backend: str, info: dict[str, Any]) -> dict[str, Any]:
+def _kernels(profiler, error: str | None) -> dict[str, Any]:
+    """The GPU benchmark's per-step kernel figures (benchmarks/kernels.py), or why there are none."""
+    error = error or (profiler.error if profiler is not None else "no step was profiled")
+    if error:
+        return {"measured": False, "reason": error}
+    try:
+        from benchmarks.kernels import summarize_kernels
+
+        return summarize_kernels(profiler.events())
+    except Exception as err:  # a trace this code cannot read must not cost the job its timings
+        return {"measured": False, "reason": f"reading the trace failed: {type(err).__name__}: {err}"}
+
+
+def _versions(device) -> dict[str, Any]:
+    """torch, CUDA and Triton versions and the device's name: which stack produced these figures."""
+    import torch
+
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        out["device_name"] = torch.cuda.get_device_name(device)
+        try:
+            import triton
+
+            out["triton"] = triton.__version__
+        except ImportError:
+            out["triton"] = None
+    return out
+
+
+def _profile_result(events, spec: dict[str, Any], rank: int, pg_backend: str, info: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.config import IN_GRAPH_MODES
     from benchmarks.profile_overlap import label_buckets, summarize
 
-    out = summarize(profiler.events())
+    out = summarize(events)
     if pg_backend != "gloo" and out.get("measured"):
         # nccl's host-side events mark enqueueing, not completion (benchmarks/profile_overlap.py, Limitation)
         out = {

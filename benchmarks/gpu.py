@@ -1,0 +1,560 @@
+"""`python -m benchmarks.gpu`: the GPU benchmark of issue 34 in one device call (about 9 minutes).
+
+Every mode runs as its own one-rank job (world size 1: nccl on a GPU, gloo on the CPU) in three phases:
+
+- A, cold: every job starts at once (or `--parallel N` at a time), each with an empty Inductor cache of its
+  own, and runs its warm-up steps; the compiles share the machine's cores, so the time to the end of step 2
+  is measured under that contention (said so in the table). Each job then waits at its gate
+  (benchmarks/gate.py).
+- B, timed: the orchestrator lets one job at a time through: its timed steps and then its profiled steps
+  (torch.profiler with CUDA: kernels, GPU-busy ms, graph calls per step; benchmarks/kernels.py) run with
+  nothing else on the device; the other jobs sleep at their gates.
+- C, warm start-up (`--warm-modes`): while time is left, a fresh process per listed mode on the cache phase A
+  filled, alone: the warm time to the end of step 2.
+
+A budget (`--budget-s`, default 540 s) bounds the whole: phase A ends in time to leave phase B its share
+(`--reserve-s` per job), a job not ready then is killed and reported as failed, and no phase starts work it
+cannot finish. Each phase prints a budget line. Out, under `--out-dir` (default `$OUT`, else `gpu_out`):
+`results_<precision>.json` per precision, `gpu_<precisions>.md` (the BENCHMARKS.md GPU block of this run) and
+`logs_<precisions>.tgz` (every job's spec, log and result); `--tag T` adds `_T` to the names.
+`--render A.json [B.json] --markdown BENCHMARKS.md` writes the block of one or more runs (fp32, bf16) between the
+file's `generated-gpu` markers and runs nothing.
+
+On a machine without CUDA the same script runs on the CPU (tiny sizes for a test; the CPU proxy of issue 34,
+item 6): gloo, no CUDA peak, and kernels are the host's leaf compute ops with Inductor's C++ kernels made
+visible to the profiler (`TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import os
+import shlex
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks.cli import _batch, _compile_threads
+from benchmarks.config import MODES, OPTIMIZERS, BenchConfig, Workload
+from benchmarks.gate import Gate
+from benchmarks.runner import WORKER, JobSpec, finish_job, start_job
+
+GPU_MODES = (
+    "eager",
+    "torch_savvy",
+    "torch_ddpopt",
+    "ours_compile",
+    "ours_step",
+    "ours_step_in_graph",
+    "ours_step_in_backward",
+)
+"""Issue 34's modes, in table order."""
+WARM_MODES = ("torch_savvy", "ours_step_in_graph", "ours_step_in_backward")
+"""Phase C's default: PyTorch's best and our one-graph steps (issue 34, item 3: warm start-up)."""
+MARGIN_S = 15.0
+"""Kept back at the end of the budget for collecting results and writing the outputs."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        help="fp32, bf16 (torch.autocast(bfloat16) around forward and loss) or fp32,bf16: both in one run, every "
+        "job's cold compile side by side, one table each",
+    )
+    p.add_argument("--modes", default=",".join(GPU_MODES), help=f"comma list from {','.join(MODES)}")
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--compute-batch", type=_batch, default=(8, 256), help="BATCHxSEQ (default 8x256)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket cap (default DDP's 25 MiB)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument(
+        "--foreach",
+        action="store_true",
+        help="build the optimizer with foreach=True (its default on CUDA; on the CPU torch picks the per-tensor loop)",
+    )
+    p.add_argument("--backend", default="inductor")
+    p.add_argument(
+        "--compile-mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    )
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (>= 2: start-up is read to step 2)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--profile-steps", type=int, default=3, help="profiled steps after the timed ones")
+    p.add_argument("--parallel", type=int, default=0, help="cold compiles side by side (0: every mode at once)")
+    p.add_argument(
+        "--compile-threads",
+        default="auto",
+        metavar="auto|torch|N",
+        help="TORCHINDUCTOR_COMPILE_THREADS per job (auto: the CPU count / --parallel, at least 1)",
+    )
+    p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole run")
+    p.add_argument("--reserve-s", type=float, default=12.0, help="phase-B seconds kept per job while A runs")
+    p.add_argument(
+        "--warm-modes",
+        default=",".join(WARM_MODES),
+        help="phase C: warm start-up of these modes while time is left ('' for none)",
+    )
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=None, help="default $OUT, else ./gpu_out")
+    p.add_argument("--tag", default=None, help="a suffix for the output names")
+    p.add_argument("--render", type=Path, nargs="+", default=None, metavar="RESULTS_JSON")
+    p.add_argument("--markdown", type=Path, default=None, help="with --render: the file whose GPU block is written")
+    return p
+
+
+# -- the run -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Running:
+    """A started job: what it runs, its folder, processes and gate, and what the gate said on arrival."""
+
+    entry: Entry
+    spec: JobSpec
+    job_dir: Path
+    procs: list
+    gate: Gate
+    started: float
+    ready: dict[str, Any] | None = None
+
+    def exited(self) -> bool:
+        return all(p.poll() is not None for p in self.procs)
+
+    def finish(self, *, timed_out: bool, timeout_s: float) -> dict[str, Any]:
+        wall = time.monotonic() - self.started
+        res = finish_job(self.spec, self.job_dir, self.procs, timed_out=timed_out, timeout_s=timeout_s, wall_s=wall)
+        res["tag"] = self.entry.tag
+        res["ready"] = self.ready
+        return res
+
+
+class Budget:
+    """The run's wall clock: a deadline, and one line per phase of what it may spend and what it spent."""
+
+    def __init__(self, seconds: float, log: Callable[[str], None], *, margin_s: float = MARGIN_S) -> None:
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + seconds
+        self.margin_s = margin_s
+        self.log = log
+        self.phases: list[dict[str, Any]] = []
+
+    def left(self) -> float:
+        """Seconds left for work: the deadline less the margin kept for writing the outputs."""
+        return self.deadline - self.margin_s - time.monotonic()
+
+    def at(self) -> float:
+        return time.monotonic() - self.t0
+
+    def phase(self, name: str, budget_s: float, note: str) -> dict[str, Any]:
+        entry = {"name": name, "budget_s": max(0.0, budget_s), "start": self.at(), "spent_s": 0.0, "note": note}
+        self.phases.append(entry)
+        self.log(f"budget: phase {name} may spend {entry['budget_s']:.0f} s (at {entry['start']:.0f} s; {note})")
+        return entry
+
+    def done(self, entry: dict[str, Any], summary: str) -> None:
+        entry["spent_s"] = self.at() - entry["start"]
+        entry["summary"] = summary
+        self.log(f"budget: phase {entry['name']} spent {entry['spent_s']:.0f} s: {summary}; {self.left():.0f} s left")
+
+
+def _config(
+    args: argparse.Namespace, modes: tuple[str, ...], threads: int | None, command: str, precision: str
+) -> BenchConfig:
+    from examples.gpt_config import GPTConfig
+
+    model = GPTConfig.preset(
+        "bench", d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, vocab_size=args.vocab
+    )
+    b, t = args.compute_batch
+    workload = Workload(name="compute", model=model, batch=b, seq_len=t, bucket_cap_mb=args.bucket_cap_mb)
+    return BenchConfig(
+        workloads=(workload,),
+        modes=modes,
+        rounds=1,
+        warmup=args.warmup,
+        steps=args.steps,
+        backend=args.backend,
+        world_size=1,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        seed=args.seed,
+        cold_warm=False,
+        scaling=False,
+        overlap=False,
+        profile_steps=args.profile_steps,
+        plot=False,
+        timeout_s=args.budget_s,
+        preset="full",
+        command=command,
+        compile_mode=None if args.compile_mode in (None, "default") else args.compile_mode,
+        autocast=None if precision == "fp32" else precision,
+        compile_threads=threads,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One job of the run: a mode at a precision (`tag`), with that precision's config."""
+
+    tag: str
+    mode: str
+    cfg: BenchConfig
+    foreach: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.tag}/{self.mode}"
+
+    def spec(self, kind: str, cache: str, gate: Path | None) -> JobSpec:
+        """The job: `cold` compiles (2 warm-up steps), waits at `gate`, then warms up, is timed and profiled
+        alone; `warm` reads the start-up on a filled cache (2 steps to read, 1 to time, nothing profiled)."""
+        from benchmarks.suite import _worker_spec
+
+        cfg, w = self.cfg, self.cfg.workloads[0]
+        steps = cfg.steps if kind == "cold" else 1
+        worker = _worker_spec(cfg, w, self.mode, steps=steps, record_overlap=False, timeline_png=None)
+        if kind == "cold":
+            # the gate after step 2 (start-up is read to there); the other warm-up steps run alone, after it,
+            # and refill the allocator's cache that the wait gave back
+            worker.update(profile_steps=cfg.profile_steps, kernel_profile=True, gate_dir=str(gate), gate_after=2)
+        else:
+            worker.update(warmup=2, profile_steps=0)
+        if self.foreach:
+            worker["optimizer_kwargs"] = {**worker["optimizer_kwargs"], "foreach": True}
+        return JobSpec(
+            job_id=f"{self.tag}_{self.mode}_{kind}",
+            kind=kind,
+            round=1,
+            mode=self.mode,
+            workload=w.name,
+            world_size=1,
+            cache_dir=cache,
+            worker=worker,
+        )
+
+
+def run_phases(
+    entries: list[Entry],
+    *,
+    parallel: int,
+    reserve_s: float,
+    warm: list[Entry],
+    budget: Budget,
+    work: Path,
+    worker: tuple[str, ...] = WORKER,
+) -> list[dict[str, Any]]:
+    """Phases A and B per group of `parallel` entries, then C for `warm`; one result per job (each with its
+    `tag`), failures included."""
+    jobs_dir = work / "jobs"
+    caches: dict[str, str] = {}
+    results: list[dict[str, Any]] = []
+    groups = [entries[i : i + parallel] for i in range(0, len(entries), parallel)]
+    for g, group in enumerate(groups):
+        later = sum(len(x) for x in groups[g:])  # this group's and every later group's timed steps
+        allowed = budget.left() - reserve_s * later
+        if allowed < reserve_s:
+            budget.log(f"phase A: no time left to start {', '.join(e.label for e in group)} (and later groups)")
+            break
+        running = {}
+        for e in group:
+            caches[e.label] = tempfile.mkdtemp(prefix=f"inductor_{e.tag}_{e.mode}_", dir=work)
+            gate = work / "gates" / f"{e.tag}_{e.mode}"
+            spec = e.spec("cold", caches[e.label], gate)
+            job_dir, procs = start_job(spec, jobs_dir, worker=worker)
+            running[e.label] = Running(e, spec, job_dir, procs, Gate(gate), started=time.monotonic())
+        results += _phase_a(running, budget, allowed)
+        results += _phase_b(running, budget, reserve_s)
+    entry = budget.phase("C", budget.left(), f"warm start-up, alone, of {', '.join(e.label for e in warm) or '-'}")
+    done = 0
+    for e in warm:
+        cold = next((r for r in results if r["tag"] == e.tag and r["mode"] == e.mode), None)
+        if cold is None or not cold["ok"]:
+            continue
+        if budget.left() < reserve_s * 2:
+            budget.log(f"phase C: no time left for {e.label} and after")
+            break
+        spec = e.spec("warm", caches[e.label], None)
+        job_dir, procs = start_job(spec, jobs_dir, worker=worker)
+        job = Running(e, spec, job_dir, procs, Gate(work / "gates" / "unused"), started=time.monotonic())
+        left = budget.left()
+        res = job.finish(timed_out=not _wait(job, left), timeout_s=left)
+        results.append(res)
+        done += 1
+        two = res["ranks"][0].get("two_steps_s") if res["ok"] else None
+        budget.log(f"[warm] {e.label}: " + (f"to end of step 2 {two:.1f} s" if res["ok"] else res["errors"][0][:300]))
+    budget.done(entry, f"{done} warm start-up(s)")
+    return results
+
+
+def _phase_a(running: dict[str, Running], budget: Budget, allowed: float) -> list[dict[str, Any]]:
+    n = len(running)
+    entry = budget.phase("A", allowed, f"{n} cold compile(s) side by side: {', '.join(running)}")
+    end = time.monotonic() + allowed
+    out = []
+    pending = dict(running)
+    while pending and time.monotonic() < end:
+        for label, job in list(pending.items()):
+            job.ready = job.gate.ready()
+            if job.ready is not None:
+                job.ready["cold_parallel"] = n
+                budget.log(
+                    f"[cold] {label} ready at {budget.at():.0f} s: step 1 {job.ready['first_step_s']:.1f} s, "
+                    f"to end of step 2 {job.ready['two_steps_s']:.1f} s ({n} side by side)"
+                )
+                del pending[label]
+            elif job.exited():
+                res = job.finish(timed_out=False, timeout_s=allowed)
+                budget.log(f"[cold] {label} FAILED: {res['errors'][0][:300] if res['errors'] else 'no result'}")
+                out.append(res)
+                del pending[label]
+        time.sleep(0.2)
+    for label, job in pending.items():  # not ready in time: end it before any timed step runs
+        res = job.finish(timed_out=True, timeout_s=allowed)
+        res["errors"] = [f"{job.entry.mode}: cold warm-up not finished within phase A's {allowed:.0f} s (killed)"]
+        budget.log(f"[cold] {label} FAILED: not ready within {allowed:.0f} s")
+        out.append(res)
+    for res in out:
+        res["cold_parallel"] = n
+    ready = sum(j.ready is not None for j in running.values())
+    budget.done(entry, f"{ready}/{n} ready")
+    return out
+
+
+def _phase_b(running: dict[str, Running], budget: Budget, reserve_s: float) -> list[dict[str, Any]]:
+    ready = {label: j for label, j in running.items() if j.ready is not None}
+    entry = budget.phase("B", budget.left(), f"timed steps of {len(ready)} job(s), one at a time")
+    out = []
+    for label, job in ready.items():
+        left = budget.left()
+        if left < reserve_s / 2:
+            job.gate.stop()
+            _wait(job, 10.0)
+            res = job.finish(timed_out=False, timeout_s=left)
+            budget.log(f"[timed] {label}: not timed, {left:.0f} s left")
+        else:
+            t0 = time.monotonic()
+            job.gate.release()
+            exited = _wait(job, left)
+            res = job.finish(timed_out=not exited, timeout_s=left)
+            spent = time.monotonic() - t0
+            if res["ok"]:
+                r0 = res["ranks"][0]
+                budget.log(f"[timed] {label}: median step {r0['median_step_ms']:.1f} ms ({spent:.0f} s)")
+            else:
+                budget.log(f"[timed] {label} FAILED in {spent:.0f} s: {res['errors'][0][:300]}")
+        res["cold_parallel"] = job.ready.get("cold_parallel")
+        out.append(res)
+    budget.done(entry, f"{sum(r['ok'] for r in out)}/{len(ready)} timed")
+    return out
+
+
+def _wait(job: Running, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if job.exited():
+            return True
+        time.sleep(0.05)
+    return job.exited()
+
+
+# -- outputs -------------------------------------------------------------------------------------------
+
+
+def _machine(jobs: list[dict[str, Any]], device: str) -> dict[str, Any]:
+    ok = [j["ranks"][0] for j in jobs if j["ok"] and j["ranks"]]
+    versions = dict(ok[0].get("versions") or {}) if ok else {}
+    name = versions.pop("device_name", None)
+    return {
+        "device_name": name or ("CPU" if device == "cpu" else None),
+        "versions": {"torch": versions.get("torch"), "CUDA": versions.get("cuda"), "Triton": versions.get("triton")},
+        "pg_backend": ok[0].get("pg_backend") if ok else None,
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def build_result(
+    cfg: BenchConfig, args: argparse.Namespace, jobs, *, tag: str, device: str, phases, threads_text: str, parallel: int
+) -> dict[str, Any]:
+    """One precision's results: its config, the machine, the run's phases, per-mode rows and raw jobs."""
+    from benchmarks.gpu_report import aggregate
+
+    jobs = [j for j in jobs if j.get("tag") == tag]
+    w = cfg.workloads[0]
+    config = {
+        "precision": tag,
+        "autocast": cfg.autocast,
+        "modes": list(cfg.modes),
+        "model": w.describe(),
+        "optimizer": cfg.describe_optimizer() + (" foreach=True" if args.foreach else ""),
+        "backend": cfg.backend,
+        "compile_mode": cfg.compile_mode,
+        "warmup": cfg.warmup,
+        "steps": cfg.steps,
+        "profile_steps": cfg.profile_steps,
+        "parallel": parallel,
+        "compile_threads_text": threads_text,
+        "budget_s": args.budget_s,
+        "command": cfg.command,
+    }
+    return {
+        "kind": "gpu_bench",
+        "device": device,
+        "config": config,
+        "machine": _machine(jobs, device),
+        "phases": [{k: p[k] for k in ("name", "budget_s", "spent_s", "note", "summary") if k in p} for p in phases],
+        "modes": aggregate(config, jobs),
+        "jobs": jobs,
+    }
+
+
+LOG_TAIL_BYTES = 1 << 20
+"""The most of one file that goes into the logs archive (its end): a device call brings back 16 MiB a file."""
+
+
+def _pack_logs(work: Path, path: Path) -> None:
+    """Every job's spec, rank log and rank result, each cut to its last `LOG_TAIL_BYTES`."""
+    with tarfile.open(path, "w:gz") as tar:
+        for log in sorted((work / "jobs").glob("*/*")):
+            if log.suffix not in (".log", ".json"):
+                continue
+            data = log.read_bytes()[-LOG_TAIL_BYTES:]
+            info = tarfile.TarInfo(str(log.relative_to(work / "jobs")))
+            info.size = len(data)
+            info.mtime = int(log.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _render(args: argparse.Namespace) -> int:
+    from benchmarks.gpu_report import merge_gpu_section, section
+
+    results = []
+    for path in args.render:
+        if not path.is_file():
+            print(f"error: --render {path}: no such file", file=sys.stderr)
+            return 2
+        results.append(json.loads(path.read_text()))
+    block = section(results)
+    print(block)
+    if args.markdown is not None:
+        previous = args.markdown.read_text() if args.markdown.is_file() else None
+        args.markdown.write_text(merge_gpu_section(previous, block, where=str(args.markdown)))
+        print(f"report: {args.markdown} (its generated-gpu block replaced; the rest kept)")
+    return 0
+
+
+def _device(choice: str) -> str:
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here")
+    return choice
+
+
+def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.render:
+        return _render(args)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    precisions = tuple(dict.fromkeys(p.strip() for p in args.precision.split(",") if p.strip()))
+    if not precisions or set(precisions) - {"fp32", "bf16"}:
+        print(f"error: --precision {args.precision!r}: use fp32, bf16 or fp32,bf16", file=sys.stderr)
+        return 2
+    if args.warmup < 2:
+        print("error: --warmup must be >= 2 (start-up is read to the end of step 2)", file=sys.stderr)
+        return 2
+    jobs_total = len(modes) * len(precisions)
+    parallel = args.parallel if args.parallel > 0 else jobs_total
+    if args.compile_threads == "auto":
+        threads: int | None = max(1, (os.cpu_count() or 1) // max(1, min(parallel, jobs_total)))
+    else:
+        try:
+            threads = _compile_threads(args.compile_threads)
+        except argparse.ArgumentTypeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    threads_text = "torch's default compile threads" if threads is None else f"TORCHINDUCTOR_COMPILE_THREADS={threads}"
+    command = "python -m benchmarks.gpu " + shlex.join(argv)
+    try:
+        device = _device(args.device)
+        cfgs = {p: _config(args, modes, threads, command, p) for p in precisions}
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the ranks' own choice of device follows what they see
+        os.environ.setdefault("TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE", "1")  # C++ kernels seen by the profiler
+    out_dir = (args.out_dir or Path(os.environ.get("OUT") or "gpu_out")).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = f"_{args.tag}" if args.tag else ""
+    name = "_".join(precisions) + suffix
+    budget = Budget(args.budget_s, log=lambda line: print(line, flush=True))
+    first = cfgs[precisions[0]]
+    budget.log(
+        f"gpu bench ({', '.join(precisions)}, {device}): {len(modes)} modes, {first.workloads[0].describe()}, "
+        f"{first.describe_optimizer()}, {parallel} cold compile(s) side by side, {threads_text}"
+    )
+    # precision-major: with --parallel below the job count, a whole precision compiles before the next
+    entries = [Entry(p, m, cfgs[p], args.foreach) for p in precisions for m in modes]
+    warm_names = {m.strip() for m in args.warm_modes.split(",") if m.strip()}
+    warm = [e for e in entries if e.tag == precisions[0] and e.mode in warm_names]  # start-up: first precision
+    work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
+    try:
+        jobs = run_phases(
+            entries, parallel=parallel, reserve_s=args.reserve_s, warm=warm, budget=budget, work=work, worker=worker
+        )
+        results = [
+            build_result(
+                cfgs[p],
+                args,
+                jobs,
+                tag=p,
+                device=device,
+                phases=budget.phases,
+                threads_text=threads_text,
+                parallel=min(parallel, jobs_total),
+            )
+            for p in precisions
+        ]
+        _pack_logs(work, out_dir / f"logs_{name}.tgz")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    from benchmarks.gpu_report import section
+
+    paths = []
+    for p, result in zip(precisions, results):
+        paths.append(out_dir / f"results_{p}{suffix}.json")
+        paths[-1].write_text(json.dumps(result, indent=1, default=str))
+    block = section(results)
+    md = out_dir / f"gpu_{name}.md"
+    md.write_text(block)
+    print("\nwhere the kernel time goes (last profiled step: the 3 kernels with the most time, calls, ms):")
+    for p, result in zip(precisions, results):
+        for mode, row in result["modes"].items():
+            top = (row.get("kernels") or {}).get("top") or []
+            cells = "; ".join(f"{t['name'][:70]} x{t['calls']} {t['ms']:.2f}" for t in top[:3])
+            print(f"  {p}/{mode}: {cells or '-'}")
+    print()
+    print(block)
+    print(f"JSON: {' '.join(map(str, paths))}")
+    print(f"markdown: {md} (into BENCHMARKS.md: python -m benchmarks.gpu --render JSON... --markdown BENCHMARKS.md)")
+    print(f"total {budget.at():.0f} s of {args.budget_s:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

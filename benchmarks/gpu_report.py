@@ -1,0 +1,236 @@
+"""The GPU benchmark's results: per-mode rows from its jobs, the markdown table, and BENCHMARKS.md's GPU block.
+
+Pure (dicts in, text out). The block sits between its own markers, `GPU_BEGIN` and `GPU_END`, which the CPU
+benchmark's generator (benchmarks/markers.py, `generated:begin/end`) does not see: each generator rewrites only
+its own block, and everything written by hand around both is kept.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from benchmarks.checksum import checksum_distance
+from benchmarks.config import MODE_HELP
+
+GPU_BEGIN = (
+    "<!-- generated-gpu:begin: `python -m benchmarks.gpu --render ...` rewrites everything from here to "
+    "generated-gpu:end; write by hand only outside these markers -->"
+)
+GPU_END = "<!-- generated-gpu:end -->"
+_BEGIN_RE = re.compile(r"^<!-- generated-gpu:begin\b.*$", re.MULTILINE)
+_END_RE = re.compile(r"^<!-- generated-gpu:end -->[ \t]*$", re.MULTILINE)
+
+REFERENCE = "torch_savvy"
+"""The mode every ratio is read against: PyTorch's best (torch.compile of the model and of optimizer.step)."""
+EAGER = "eager"
+"""Where the parameter check is read against: eager DDP with the eager optimizer."""
+
+STOPPED = "GateStopped"
+"""The worker's error when it was told to leave before its timed steps (benchmarks/gate.py)."""
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def mode_row(mode: str, cold: dict[str, Any] | None, warm: dict[str, Any] | None) -> dict[str, Any]:
+    """One mode's figures from its cold job (compiled side by side, then timed alone) and its optional warm
+    start-up job. A mode whose job failed keeps what it measured before failing (start-up) and its error."""
+    row: dict[str, Any] = {"mode": mode, "description": MODE_HELP.get(mode, mode)}
+    if cold is None:
+        return {**row, "status": "not run", "error": "no time left to start it"}
+    ready = cold.get("ready") or {}
+    row["first_step_s"] = ready.get("first_step_s")
+    row["two_steps_s_cold"] = ready.get("two_steps_s")
+    row["cold_parallel"] = cold.get("cold_parallel")
+    rank0 = cold["ranks"][0] if cold.get("ranks") else {}
+    if not cold["ok"]:
+        error = cold["errors"][0] if cold.get("errors") else "failed without an error"
+        status = "unavailable" if cold.get("unavailable") else "not timed" if STOPPED in error else "failed"
+        return {**row, "status": status, "error": error}
+    kernels = rank0.get("kernels") or {}
+    row.update(
+        status="ok",
+        step_ms=rank0.get("median_step_ms"),
+        step_ms_all=rank0.get("step_ms"),
+        host_ms=rank0.get("median_host_ms"),
+        first_step_s=rank0.get("first_step_s"),
+        two_steps_s_cold=rank0.get("two_steps_s"),
+        cuda_peak_mb=rank0.get("steady_peak_cuda_mb"),
+        steady_peak_rss_mb=rank0.get("steady_peak_rss_mb"),
+        final_loss=rank0.get("final_loss"),
+        param_checksum=rank0.get("param_checksum"),
+        later_warmup_compile_s=(rank0.get("compile") or {}).get("later_warmup_compile_s"),
+        pieces=(rank0.get("info") or {}).get("pieces"),
+        kernels=kernels if kernels.get("measured") else None,
+        versions=rank0.get("versions"),
+        device=rank0.get("device"),
+        pg_backend=rank0.get("pg_backend"),
+    )
+    if warm is not None:
+        if warm["ok"]:
+            row["two_steps_s_warm"] = warm["ranks"][0].get("two_steps_s")
+        else:
+            row["warm_error"] = warm["errors"][0] if warm.get("errors") else "failed"
+    return row
+
+
+def aggregate(config: dict[str, Any], jobs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every mode of the run, in the run's order, with ratios to `REFERENCE` and the parameter distance to
+    `EAGER` (None where either did not finish)."""
+    rows = {}
+    for mode in config["modes"]:
+        cold = next((j for j in jobs if j["mode"] == mode and j["kind"] == "cold"), None)
+        warm = next((j for j in jobs if j["mode"] == mode and j["kind"] == "warm"), None)
+        rows[mode] = mode_row(mode, cold, warm)
+    ref, eager = rows.get(REFERENCE, {}), rows.get(EAGER, {})
+    for row in rows.values():
+        row["step_vs_ref"] = _ratio(row.get("step_ms"), ref.get("step_ms"))
+        row["two_steps_cold_vs_ref"] = _ratio(row.get("two_steps_s_cold"), ref.get("two_steps_s_cold"))
+        row["two_steps_warm_vs_ref"] = _ratio(row.get("two_steps_s_warm"), ref.get("two_steps_s_warm"))
+        mine, theirs = row.get("param_checksum"), eager.get("param_checksum")
+        row["param_distance"] = checksum_distance(mine, theirs) if mine and theirs else None
+    return rows
+
+
+# -- markdown ------------------------------------------------------------------------------------------
+
+
+def _f(value: Any, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _x(value: float | None) -> str:
+    return "" if value is None else f" ({value:.2f}x)"
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = " ".join(str(text).split()).replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _k(row: dict[str, Any], key: str, spec: str = ".1f") -> str:
+    return _f((row.get("kernels") or {}).get(key), spec)
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The run's table: one row per mode, failed modes included (their error below the table)."""
+    cpu = result.get("device") == "cpu"
+    busy = "kernel ms/step (host, in ops)" if cpu else "GPU busy ms/step"
+    outside = "step ms - kernel ms" if cpu else "step ms - busy ms"
+    head = [
+        "mode",
+        "status",
+        f"median step ms (x {REFERENCE})",
+        "host ms/step",
+        f"to end of step 2, cold s (x {REFERENCE})",
+        "warm s (x)",
+        "CUDA steady peak MB",
+        "kernels/step",
+        busy,
+        outside,
+        "ms to the first kernel",
+        "graph calls/step",
+        "params vs eager",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes = []
+    for mode, row in result["modes"].items():
+        k = row.get("kernels") or {}
+        gap = _minus(row.get("step_ms"), k.get("kernel_ms" if cpu else "busy_ms")) if k else None
+        cells = [
+            f"`{mode}`",
+            row["status"],
+            _f(row.get("step_ms")) + _x(row.get("step_vs_ref")),
+            _f(row.get("host_ms")),
+            _f(row.get("two_steps_s_cold")) + _x(row.get("two_steps_cold_vs_ref")),
+            _f(row.get("two_steps_s_warm")) + _x(row.get("two_steps_warm_vs_ref")),
+            _f(row.get("cuda_peak_mb"), ".0f"),
+            _k(row, "kernels", ".0f"),
+            _k(row, "kernel_ms" if cpu else "busy_ms"),
+            _f(gap),
+            _k(row, "lead_ms", ".2f"),
+            _k(row, "graph_calls", ".0f"),
+            _f(row.get("param_distance"), ".1e"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+        if row.get("error"):
+            notes.append(f"- `{mode}` {row['status']}: {_short(row['error'])}")
+        if row.get("warm_error"):
+            notes.append(f"- `{mode}` warm start-up failed: {_short(row['warm_error'])}")
+    return lines + ([""] + notes if notes else [])
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
+
+
+def describe(result: dict[str, Any]) -> list[str]:
+    """What ran, where and how: the lines above a run's table."""
+    cfg = result["config"]
+    m = result.get("machine") or {}
+    stack = ", ".join(f"{k} {v}" for k, v in (m.get("versions") or {}).items() if v)
+    where = m.get("device_name") or result.get("device", "?")
+    cold = cfg.get("parallel")
+    return [
+        f"### {cfg['precision']}: {where}, world size 1 ({m.get('pg_backend') or '?'})",
+        "",
+        f"{stack}; {m.get('cpu_count', '?')} CPU cores. {cfg['model']}; {cfg['optimizer']}; backend "
+        f"{cfg['backend']}, torch.compile mode {cfg.get('compile_mode') or 'default'}"
+        + (f"; forward and loss under torch.autocast({cfg['autocast']})" if cfg.get("autocast") else "; fp32")
+        + f". Command: `{cfg['command']}`.",
+        "",
+        f"- Cold start-up (phase A): every mode's job starts at once with its own empty Inductor cache, {cold} "
+        f"side by side on {m.get('cpu_count', '?')} cores, {cfg.get('compile_threads_text', '?')}: its time "
+        "to the end of step 2 is measured **under that contention** (an upper bound of a lone cold start; "
+        "modes that finish first free the cores for the others).",
+        f"- Timed steps (phase B): one job at a time, the others idle at their gate: median of {cfg['steps']} "
+        f"steps after {cfg['warmup']} warm-up steps; host ms = until the step's Python returned, before the "
+        "device sync; CUDA steady peak = `max_memory_allocated` over the timed steps.",
+        f"- Kernels (torch.profiler, {cfg['profile_steps']} steps after the timed ones, per-step medians; "
+        "benchmarks/kernels.py): "
+        + (
+            "leaf compute ops on the host (aten ops that are not views or allocations, Inductor C++ kernels); "
+            "kernel ms = host time inside them; step ms - kernel ms = the framework's share of the (unprofiled) step"
+            if result.get("device") == "cpu"
+            else "CUDA kernels (copies and fills apart); busy = union of their intervals; step ms - busy ms = "
+            "the (unprofiled) step's time with the GPU idle"
+        )
+        + "; ms to the first kernel = from the step's start (after the previous step's sync) to its first "
+        "kernel; graph calls = compiled Inductor graphs called.",
+        "- Warm start-up (phase C, where listed): a fresh process on the mode's cache, alone.",
+        "- params vs eager: distance of the final parameters' update from eager's (benchmarks/checksum.py).",
+        "- Phases: "
+        + "; ".join(f"{p['name']} {p['spent_s']:.0f} s of {p['budget_s']:.0f}" for p in result.get("phases", [])),
+        "",
+    ]
+
+
+def section(results: list[dict[str, Any]]) -> str:
+    """The GPU block (markers included) for one or more runs (fp32, bf16)."""
+    body = [GPU_BEGIN, ""]
+    for result in results:
+        body += describe(result) + table(result) + [""]
+    body.append(GPU_END)
+    return "\n".join(body) + "\n"
+
+
+def merge_gpu_section(previous: str | None, block: str, *, where: str = "BENCHMARKS.md") -> str:
+    """`previous` with its GPU block replaced by `block`; without one, the block goes right under the first
+    `## GPU` heading (above the hand-written GPU notes), or into a new section at the end."""
+    if not previous:
+        return "# Benchmarks\n\n" + block
+    begins, ends = list(_BEGIN_RE.finditer(previous)), list(_END_RE.finditer(previous))
+    if begins or ends:
+        if len(begins) != 1 or len(ends) != 1 or ends[0].start() < begins[0].end():
+            raise ValueError(
+                f"{where}: expected one '<!-- generated-gpu:begin ...' line followed by one '{GPU_END}' line, "
+                f"found {len(begins)} and {len(ends)}; fix the markers by hand"
+            )
+        return previous[: begins[0].start()] + block.rstrip("\n") + previous[ends[0].end() :]
+    heading = re.search(r"^## GPU\b.*$", previous, re.MULTILINE)
+    if heading is None:
+        return previous.rstrip("\n") + "\n\n## GPU (generated)\n\n" + block
+    at = heading.end() + 1
+    return previous[:at] + "\n" + block + previous[at:]
