@@ -11,6 +11,7 @@ Public routes (`torch.compile`, `torch.compiler.reset`, `functorch.compile`) are
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Callable, Iterator
 
@@ -75,16 +76,88 @@ def compile_with_guard_hook(
     # isolate_recompiles came with torch 2.13; without it (older builds, e.g. the GPU machines' 2.11) the
     # wrappers of one code object share its cache, which only matters with several of them in a process.
     isolation = {"isolate_recompiles": isolate_recompiles} if _TAKES_ISOLATE_RECOMPILES else {}
-    return torch._dynamo.optimize(
+    compiled = torch._dynamo.optimize(
         backend,
         nopython=fullgraph,
         dynamic=dynamic,
         guard_fail_fn=guard_fail_fn,
         **isolation,
     )(fn)
+    if guards_follow_requires_grad() is True:
+        return compiled
+    return _with_full_parameter_guards(compiled)
 
 
 _TAKES_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
+
+
+_REQUIRES_GRAD_GUARDED: list[bool] = []
+"""The answer of `guards_follow_requires_grad`, once known (empty before)."""
+
+
+class _RequiresGradProbe(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def guards_follow_requires_grad() -> bool | None:
+    """Whether Dynamo compiles again when a module's parameter is unfrozen in place (`requires_grad_(True)`)
+    after the module was compiled with it frozen. None: not known yet (asked while something compiles).
+
+    Mirrors Dynamo's guard fast path for `nn.Module`s (`torch/csrc/dynamo/guards.cpp`, the dict-tag check
+    behind `torch._dynamo.config.skip_tensor_guards_with_matching_dict_tags`): when a module's `__dict__`
+    is unchanged, its parameters' tensor guards are skipped. torch 2.11 skips the `requires_grad` check
+    with them, so the graph traced with the layer frozen keeps running and the unfrozen layer never gets a
+    gradient (plain `torch.compile` too); 2.13 and 2.14 compile again (seen here; pytorch/pytorch PR 177158
+    proposes that check). Found out once per process by compiling a one-parameter module (0.04-0.09 s
+    here once Dynamo is loaded), not from the version: the check lives in C++, with no Python name to ask for.
+    """
+    if _REQUIRES_GRAD_GUARDED:
+        return _REQUIRES_GRAD_GUARDED[0]
+    if torch.compiler.is_compiling():
+        return None
+    graphs: list[int] = []
+
+    def count(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        graphs.append(1)
+        return gm.forward
+
+    probe = _RequiresGradProbe()
+    with outside_any_compile(), torch._dynamo.config.patch(skip_tensor_guards_with_matching_dict_tags=True):
+        compiled = torch._dynamo.optimize(count)(probe)
+        x = torch.ones(1)
+        compiled(x)
+        probe.weight.requires_grad_(True)
+        compiled(x)
+    if not graphs:  # nothing compiled (Dynamo is off here): ask again later
+        return None
+    _REQUIRES_GRAD_GUARDED.append(len(graphs) > 1)
+    return _REQUIRES_GRAD_GUARDED[0]
+
+
+def _with_full_parameter_guards(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled`, whose compiles (they happen inside its calls) guard every parameter's tensor properties.
+
+    For a torch whose guards miss an in-place `requires_grad` change (`guards_follow_requires_grad`):
+    `skip_tensor_guards_with_matching_dict_tags` is read when a compile builds its guards, so it is off
+    for the duration of each call (about 7 us a call measured here on 2.11, plus the tensor checks the fast
+    path would skip), on such torches only.
+    """
+    config = torch._dynamo.config
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        saved = config.skip_tensor_guards_with_matching_dict_tags
+        config.skip_tensor_guards_with_matching_dict_tags = False
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            config.skip_tensor_guards_with_matching_dict_tags = saved
+
+    return call
 
 
 def lookup_backend(backend: str | Callable[..., Any]) -> Callable[..., Any]:
@@ -470,3 +543,90 @@ def param_edges(node: Any) -> list[tuple[int, torch.Tensor]]:
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+# -- what this torch offers (python -m compile_core.doctor; compile-time refusals) ---------------------------
+
+
+def capabilities(*, run_probes: bool = False) -> dict[str, tuple[bool, str]]:
+    """What this torch's Dynamo and AOTAutograd offer the layers above: `{feature: (available, how)}`.
+
+    Each check asks for the names the functions above use (not the torch version); `how` is for people
+    (`python -m compile_core.doctor` prints it), decisions read the boolean (`blocker`). `run_probes` adds
+    `aot.requires_grad_guards`, which compiles a one-parameter module (`guards_follow_requires_grad`).
+    Checked on torch 2.11.0, 2.13.0 and 2.14.1, where every feature is available.
+    """
+    found = dict(_static_capabilities())
+    if run_probes:
+        guarded = guards_follow_requires_grad()
+        found["aot.requires_grad_guards"] = (
+            True,
+            "Dynamo compiles again when a parameter is unfrozen in place"
+            if guarded
+            else "Dynamo's guards miss a parameter unfrozen in place: our compiles guard every parameter's "
+            "tensor properties themselves (skip_tensor_guards_with_matching_dict_tags off while they build)",
+        )
+    return found
+
+
+@functools.cache
+def _static_capabilities() -> dict[str, tuple[bool, str]]:
+    found: dict[str, tuple[bool, str]] = {}
+    found["aot.isolate_recompiles"] = (
+        True,
+        "each compiled wrapper keeps its own cache entries"
+        if _TAKES_ISOLATE_RECOMPILES
+        else "no isolate_recompiles: wrappers of one code object share its cache entries (and recompile limit)",
+    )
+    try:
+        from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTInput  # noqa: F401
+
+        found["aot.graph_descriptors"] = (True, "AOTAutograd tags which input each gradient output belongs to")
+    except ImportError as err:
+        found["aot.graph_descriptors"] = (False, f"AOTAutograd's graph descriptors are missing ({err})")
+    has_lowering_switch = hasattr(torch._functorch.config, "force_non_lazy_backward_lowering")
+    found["aot.non_lazy_backward"] = (
+        (True, "each backward is compiled with its forward (one cache entry per piece, shippable at once)")
+        if has_lowering_switch
+        else (False, "no force_non_lazy_backward_lowering: backwards compile lazily, a piece cannot be shipped whole")
+    )
+    try:
+        from torch._higher_order_ops.invoke_subgraph import invoke_subgraph  # noqa: F401
+
+        regions = hasattr(torch.compiler, "nested_compile_region")
+    except ImportError:
+        regions = False
+    found["aot.nested_regions"] = (
+        (True, "torch.compiler.nested_compile_region and invoke_subgraph (the eager fallback inlines region bodies)")
+        if regions
+        else (False, "no torch.compiler.nested_compile_region/invoke_subgraph")
+    )
+    try:
+        from torch._dynamo.backends.distributed import DDPOptimizer  # noqa: F401
+
+        ddp_optimizer = hasattr(torch._dynamo.config, "optimize_ddp")
+    except ImportError:
+        ddp_optimizer = False
+    found["aot.ddp_optimizer"] = (
+        (True, "PyTorch's DDPOptimizer (optimize_ddp='ddp_optimizer')")
+        if ddp_optimizer
+        else (False, "no DDPOptimizer/optimize_ddp in Dynamo")
+    )
+    return found
+
+
+def blocker(ddp_mode: str, *, backend: str = "inductor", nested_regions: bool = False) -> str | None:
+    """Why `ddp=ddp_mode` (with `backend`, `nested_regions`) cannot work with this torch's Dynamo and
+    AOTAutograd (None when it can); for a compile-time refusal."""
+    table = _static_capabilities()
+    needed = []
+    if backend in ("inductor", "aot_eager"):  # through AOTAutograd (compile_core/pieces.py)
+        needed.append("aot.non_lazy_backward")
+    if ddp_mode == "in_graph":
+        needed.append("aot.graph_descriptors")
+    if ddp_mode == "torch":
+        needed.append("aot.ddp_optimizer")
+    if nested_regions:
+        needed.append("aot.nested_regions")
+    why = [table[key][1] for key in needed if not table[key][0]]
+    return "; ".join(why) or None

@@ -7,9 +7,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from aot import torch_dynamo
+from ddp import torch_ddp
 from ddp.bucketing import MiB, caps_from_mb, resolve_caps
 from ddp.in_graph.policy import check_reduce_dtype
-from inductor import InductorSettings
+from inductor import InductorSettings, torch_inductor
 
 DDP_DEFAULT_CAP_BYTES = 25 * MiB
 """DDP's own default `bucket_cap_mb` (25 MiB), for models that are not DDP."""
@@ -113,6 +115,15 @@ class CompileConfig:
             )
         # Validates mode/options names now rather than at the first compile.
         self.inductor_settings()
+        why = torch_blocker(self.ddp, self.backend_name, nested_regions=self.nested_regions)
+        if why is not None:
+            others = [m for m in DDP_MODES if m != self.ddp and torch_blocker(m, self.backend_name) is None]
+            instead = f", or use ddp={others[0]!r}" if others else ""
+            raise ValueError(
+                f"ddp={self.ddp or 'split'!r} with backend={self.backend_name!r} cannot run on torch "
+                f"{torch.__version__}: {why}. Install a supported torch (2.11 to 2.14; pip install torch==2.13.0 "
+                f"is the tested default){instead}; `python -m compile_core.doctor` lists what this torch offers"
+            )
 
     @property
     def auto_cap(self) -> bool:
@@ -141,3 +152,16 @@ class CompileConfig:
         if isinstance(self.backend, str):
             return FALLBACK_CHAIN[self.backend]
         return ("custom", "eager")
+
+
+def torch_blocker(ddp: str | None, backend: str, *, nested_regions: bool = False) -> str | None:
+    """Why `ddp=` with `backend` cannot work on the installed torch (None when it can), from what each torch
+    home finds this torch offers (`ddp/torch_ddp.py`, `aot/torch_dynamo.py`, `inductor/torch_inductor.py`).
+    `ddp=None` is checked as "split", the default for the DDP models this library is for."""
+    mode = ddp or "split"
+    why = [
+        text
+        for home in (torch_ddp, torch_dynamo, torch_inductor)
+        if (text := home.blocker(mode, backend=backend, nested_regions=nested_regions)) is not None
+    ]
+    return "; ".join(why) or None

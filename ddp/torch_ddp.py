@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -401,3 +403,56 @@ def register_pending(tensor: torch.Tensor, wait: Callable[[], None]) -> None:
         return True
 
     c10d._register_work(tensor, c10d.PythonCallbackWork(callback))
+
+
+# -- what this torch offers (python -m compile_core.doctor; compile-time refusals) ---------------------------
+
+
+@functools.cache
+def capabilities() -> dict[str, tuple[bool, str]]:
+    """What this torch's DDP and c10d offer the layers above: `{feature: (available, how)}`.
+
+    Each check asks for the names the functions above use (not the torch version); `how` is for people
+    (`python -m compile_core.doctor` prints it), decisions read the boolean (`blocker`). Checked on torch
+    2.11.0, 2.13.0 and 2.14.1, where every feature is available.
+    """
+    found: dict[str, tuple[bool, str]] = {}
+    doc = (getattr(dist, "Reducer", None) and dist.Reducer.__init__.__doc__) or ""
+    wanted = ("bucket_indices", "per_bucket_size_limits", "bucket_bytes_cap_list", "param_to_name_mapping")
+    missing = [k for k in wanted if f"{k}:" not in doc]
+    if not hasattr(DistributedDataParallel, "_build_params_for_reducer"):
+        missing.append("DistributedDataParallel._build_params_for_reducer")
+    found["ddp.reducer_layout"] = (
+        (True, "dist.Reducer takes a bucket layout and per-bucket caps: DDP's reducer can be rebuilt on our buckets")
+        if not missing
+        else (False, f"DDP's reducer cannot be rebuilt on given buckets (missing: {', '.join(missing)})")
+    )
+    batched = "batched_grad_copy" in inspect.signature(DistributedDataParallel.__init__).parameters
+    found["ddp.batched_grad_copy"] = (
+        True,
+        "DDP's batched_grad_copy is passed on to the reducers we build"
+        if batched
+        else "this DDP has no batched_grad_copy option: our reducers are built without it, as DDP builds its own",
+    )
+    ops = getattr(torch.ops, "_c10d_functional", None)
+    functional = all(hasattr(ops, name) for name in ("all_reduce", "wait_tensor")) if ops is not None else False
+    found["ddp.functional_collectives"] = (
+        (True, "_c10d_functional.all_reduce/wait_tensor: collectives a compiled graph can hold")
+        if functional
+        else (False, "no _c10d_functional.all_reduce/wait_tensor ops: a graph cannot issue its own all-reduce")
+    )
+    return found
+
+
+_NEEDED_BY_MODE = {
+    "split": ("ddp.reducer_layout",),
+    "in_graph": ("ddp.reducer_layout", "ddp.functional_collectives"),
+}
+"""The features of `capabilities` each `ddp=` mode cannot work without (modes not listed need none)."""
+
+
+def blocker(ddp_mode: str, *, backend: str = "inductor", nested_regions: bool = False) -> str | None:
+    """Why `ddp=ddp_mode` cannot work with this torch's DDP (None when it can); for a compile-time refusal."""
+    table = capabilities()
+    why = [table[key][1] for key in _NEEDED_BY_MODE.get(ddp_mode, ()) if not table[key][0]]
+    return "; ".join(why) or None

@@ -1,10 +1,18 @@
 """A small GPT-like model on synthetic tokens, shared by the demo job, the benchmark and the tests.
 
-No downloads: tokens come from a seeded generator. The model's shape (`GPTConfig`) and its named presets
-(`GPT_PRESETS`) live in examples/gpt_config.py, which imports no torch; both are re-exported here.
+No downloads: tokens come from seeded generators. Two kinds:
+  * `synthetic_batch`: uniform random tokens. Nothing to learn (the loss stays at ln(vocab)); the benchmark
+    and the tests use it, where only the shapes and the arithmetic matter.
+  * `markov_batch`: walks on a fixed random sparse Markov chain, which a small GPT learns within tens of
+    steps; the demo (examples/train_gpt.py) trains on it so that its printed loss shows learning.
+The model's shape (`GPTConfig`) and its named presets (`GPT_PRESETS`) live in examples/gpt_config.py, which
+imports no torch; both are re-exported here.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import torch.nn as nn
@@ -12,7 +20,18 @@ import torch.nn.functional as F
 
 from examples.gpt_config import GPT_PRESETS, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "RegionBlock", "lm_loss", "synthetic_batch"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "GPT_PRESETS",
+    "MARKOV_BRANCHING",
+    "RegionBlock",
+    "lm_loss",
+    "markov_batch",
+    "markov_floor",
+    "markov_successors",
+    "synthetic_batch",
+]
 
 
 class Block(nn.Module):
@@ -78,4 +97,64 @@ def synthetic_batch(
     """Deterministic (input, target) token batch for a given step and rank."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+MARKOV_BRANCHING = 4
+"""How many distinct tokens may follow each token in `markov_batch`'s chain (fewer when the vocabulary is smaller)."""
+
+
+@functools.cache
+def _successors(vocab_size: int, branching: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
+    while True:  # redraw the rows that picked a successor twice (terminates: branching <= vocab_size)
+        ordered = succ.sort(dim=1).values
+        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+        if not repeated.any():
+            return succ
+        succ[repeated] = torch.randint(0, vocab_size, (int(repeated.sum()), branching), generator=g)
+
+
+def markov_successors(vocab_size: int, *, seed: int = 0, branching: int = MARKOV_BRANCHING) -> torch.Tensor:
+    """The chain of `markov_batch`: row v holds the distinct tokens that may follow token v, each taken with
+    the same probability. A function of its arguments only (the same on every rank and in every run); a
+    copy, so callers may change it."""
+    if vocab_size < 1 or branching < 1:
+        raise ValueError(f"vocab_size={vocab_size}, branching={branching}: both must be >= 1")
+    return _successors(vocab_size, min(branching, vocab_size), seed).clone()
+
+
+def markov_floor(vocab_size: int, *, branching: int = MARKOV_BRANCHING) -> float:
+    """The lowest next-token loss a model can reach on `markov_batch` away from a sequence's first token:
+    ln(successors per token)."""
+    return math.log(min(branching, vocab_size))
+
+
+def markov_batch(
+    cfg: GPTConfig,
+    batch: int,
+    seq_len: int,
+    *,
+    step: int,
+    rank: int = 0,
+    seed: int = 0,
+    branching: int = MARKOV_BRANCHING,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic (input, target) batch for a given step and rank, with structure to learn.
+
+    Every row is a walk on one fixed sparse Markov chain (`markov_successors(cfg.vocab_size, seed=seed)`):
+    it starts at a uniformly drawn token and each next token is one of the current token's `branching`
+    successors, uniformly. Every rank and step draws its own walks from the same chain, so the ranks see
+    different data from one distribution; the batch depends on (seed, step, rank) only, so a job resumed at
+    step N gets the batches an uninterrupted one would. A model that has learned the chain reaches
+    `markov_floor` per token (ln 4 ≈ 1.39), against ln(vocab) for a model that predicts nothing.
+    """
+    succ = _successors(cfg.vocab_size, min(branching, cfg.vocab_size), seed)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, cfg.vocab_size, (batch,), generator=g)
+    choice = torch.randint(0, succ.shape[1], (batch, seq_len), generator=g)
+    for t in range(seq_len):
+        tokens[:, t + 1] = succ[tokens[:, t], choice[:, t]]
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -1,6 +1,6 @@
 """Demo job: a small GPT on synthetic tokens, trained under DDP with the compiled train step.
 
-    python -m launch examples/train_gpt.py --steps 20                    # 2 gloo ranks on CPU
+    python -m launch examples/train_gpt.py                                # 2 gloo ranks on CPU
     python -m launch --nproc-per-node auto examples/train_gpt.py          # one rank per GPU (nccl)
     python -m launch --hang-timeout 300 examples/train_gpt.py             # stop a hung job (exit 3)
     python -m launch --nnodes 2 --nproc-per-node 1 --max-restarts 2 examples/train_gpt.py \
@@ -13,7 +13,13 @@ and the thing a user copies. `--mode` picks the path:
     compiled forward + loss + backward + compiled optimizer update;
   * compile: `compile_core.compile(ddp_model, backend=...)` with an eager optimizer;
   * eager: plain DDP, no compilation (the baseline, and a way to test the launcher alone).
-Rank 0 prints one line per step, the compile report once, and a summary. With `--checkpoint-dir`, rank 0
+The tokens are walks on a fixed random sparse Markov chain (examples/gpt.py: `markov_batch`; each token is
+followed by one of 4 tokens drawn for it), different walks on every rank and step, all from one chain fixed
+by `--seed`: the loss starts at ln(vocab) (6.9 for the default 1024 tokens) and falls towards ln 4 = 1.39 as
+the model learns the chain, to about a third of where it started within the default 60 steps.
+Rank 0 prints the loss of the first step, of every `--print-every`-th step and of the last one, then the
+compile report (at the end: DDP's buckets are aligned to the compiled pieces by then), and a summary.
+With `--checkpoint-dir`, rank 0
 saves the model, optimizer, LR scheduler, step counter and data position every `--checkpoint-every`
 steps (atomically: examples/checkpoint.py), and a start resumes from the latest complete checkpoint
 there, so `python -m launch --max-restarts K` continues where the job was when a rank died, with the
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import statistics
 import sys
@@ -47,7 +54,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from examples import checkpoint  # noqa: E402
-from examples.gpt import GPT, GPT_PRESETS, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
+from examples.gpt import GPT, GPT_PRESETS, GPTConfig, lm_loss, markov_batch, markov_floor  # noqa: E402
 from launch import heartbeat, restarts  # noqa: E402  (torch-free; no-ops unless launched by python -m launch)
 
 DIST_BACKEND_ENV = "DDP_COMPILE_DIST_BACKEND"
@@ -64,7 +71,7 @@ _MODEL = GPT_PRESETS["demo"]
 class TrainConfig:
     """What to train and how; validated on construction."""
 
-    steps: int = 20
+    steps: int = 60
     """Optimizer steps to run."""
     batch: int = 8
     """Sequences per rank per step."""
@@ -80,8 +87,12 @@ class TrainConfig:
     """torch.compile backend, one of compile_core.BACKENDS: inductor, aot_eager or eager (Dynamo only)."""
     mode: str = "train_step"
     """train_step (everything compiled), compile (model compiled, eager optimizer) or eager."""
-    lr: float = 3e-4
-    """AdamW learning rate."""
+    lr: float = 5e-3
+    """AdamW learning rate (after the warm-up)."""
+    seed: int = 0
+    """Seed of the data: the Markov chain every rank samples and each rank's walks of each step."""
+    print_every: int = 5
+    """Rank 0 prints the loss of step 1, of every step that is a multiple of this, and of the last step."""
     log_level: str = "INFO"
     """Level of the library's log lines (compile progress at INFO); WARNING keeps only problems."""
     checkpoint_dir: str = ""
@@ -92,9 +103,21 @@ class TrainConfig:
     """Steps of linear LR warm-up (the LR scheduler whose state a checkpoint carries)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch", "seq_len", "d_model", "layers", "vocab", "checkpoint_every", "warmup_steps"):
+        for name in (
+            "steps",
+            "batch",
+            "seq_len",
+            "d_model",
+            "layers",
+            "vocab",
+            "checkpoint_every",
+            "warmup_steps",
+            "print_every",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"--seed {self.seed}: must be >= 0")
         if self.d_model % _MODEL.n_heads:
             raise ValueError(
                 f"--d-model {self.d_model}: must be a multiple of {_MODEL.n_heads} ({_MODEL.n_heads} attention heads)"
@@ -108,6 +131,10 @@ class TrainConfig:
                 raise ValueError(f"--backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r}: choose one of {', '.join(LOG_LEVELS)}")
+
+    def data(self) -> str:
+        """What the tokens are, as a checkpoint records it: a resume continues only the same stream."""
+        return f"markov_batch(vocab={self.vocab}, seq_len={self.seq_len}, batch={self.batch}, seed={self.seed})"
 
     def gpt(self) -> GPTConfig:
         """The model: the `demo` preset with this config's width, depth, vocabulary and sequence length."""
@@ -142,6 +169,16 @@ def init_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def synthetic_batch(
+    gcfg: GPTConfig, batch: int, seq_len: int, *, step: int, rank: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of step index `step` on `rank`: Markov-chain walks (examples/gpt.py: `markov_batch`), a
+    function of (seed, step, rank) only. Looked up by this name at every step, so a wrapper put here
+    (tests/multi_gpu/test_nodes_launch.py, benchmarks/nodes_job.py: a rank that dies at a given step) sees
+    every batch the demo takes."""
+    return markov_batch(gcfg, batch, seq_len, step=step, rank=rank, seed=seed)
 
 
 def build_step(cfg: TrainConfig, ddp_model: DDP, optimizer: torch.optim.Optimizer, scheduler: Any):
@@ -208,6 +245,11 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
         scheduler.load_state_dict(state["scheduler"])
         if state["data_step"] != state["step"]:
             raise ValueError(f"checkpoint of step {state['step']} says the data is at step {state['data_step']}")
+        if state.get("data") != cfg.data():  # another data stream (or the uniform tokens of older demos)
+            raise ValueError(
+                f"checkpoint of step {state['step']} was trained on {state.get('data') or 'uniform random tokens'}, "
+                f"this run's data is {cfg.data()}: resume with the same flags, or pick a fresh --checkpoint-dir"
+            )
         restarts.record_resumed(start, cfg.checkpoint_dir)  # the launcher's summary names the step
     start = start or 0
     if start >= cfg.steps:
@@ -221,13 +263,18 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
         f"{n_params / 1e6:.2f}M params, batch {cfg.batch}x{cfg.seq_len} per rank",
         flush=True,
     )
+    say(
+        f"train_gpt: data: walks on a random sparse Markov chain (seed {cfg.seed}); loss ln({cfg.vocab}) = "
+        f"{math.log(cfg.vocab):.2f} knowing nothing, {markov_floor(cfg.vocab):.2f} knowing the chain",
+        flush=True,
+    )
 
     tokens_per_step = cfg.batch * cfg.seq_len * world
     times: list[float] = []
     t_start = time.perf_counter()
     loss = torch.tensor(float("nan"))
     for i in range(start, cfg.steps):
-        x, y = (t.to(device) for t in synthetic_batch(gcfg, cfg.batch, cfg.seq_len, step=i, rank=rank))
+        x, y = (t.to(device) for t in synthetic_batch(gcfg, cfg.batch, cfg.seq_len, step=i, rank=rank, seed=cfg.seed))
         t0 = time.perf_counter()
         loss = step(x, y)
         loss_value = loss.item()  # host sync: the step time below covers the whole step
@@ -236,13 +283,12 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
         # this one covers eager mode, and comes after the step so a first-step compile stays in the grace.
         heartbeat.beat()
         times.append(dt)
-        say(
-            f"step {i + 1:4d}/{cfg.steps}  loss {loss_value:.4f}  {dt * 1e3:8.1f} ms  "
-            f"{tokens_per_step / dt:10.0f} tok/s",
-            flush=True,
-        )
-        if i == start and (text := report()) is not None:
-            say(f"compile report (rank 0):\n{text}", flush=True)
+        if i == start or (i + 1) % cfg.print_every == 0 or i + 1 == cfg.steps:
+            say(
+                f"step {i + 1:4d}/{cfg.steps}  loss {loss_value:.4f}  {dt * 1e3:8.1f} ms  "
+                f"{tokens_per_step / dt:10.0f} tok/s",
+                flush=True,
+            )
         if cfg.checkpoint_dir and (i + 1) % cfg.checkpoint_every == 0 and i + 1 < cfg.steps:
             save_checkpoint(cfg, rank, i + 1, model, optimizer, scheduler)
     total = time.perf_counter() - t_start
@@ -251,6 +297,10 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None
     first_note = " (includes compile)" if cfg.mode != "eager" else ""
     if cfg.checkpoint_dir:
         save_checkpoint(cfg, rank, cfg.steps, model, optimizer, scheduler)  # the final state, for a later run
+    # Once, at the end: DDP's buckets are aligned to the compiled pieces by the second step's forward, so
+    # a report taken any earlier would say "DDP bucket alignment: pending" (it still does after one step).
+    if (text := report()) is not None:
+        say(f"compile report (rank 0):\n{text}", flush=True)
     say(
         f"summary: {len(times)} steps in {total:.1f}s; first step {times[0] * 1e3:.0f} ms{first_note}; "
         f"median step after that {median * 1e3:.1f} ms = {tokens_per_step / median:.0f} tok/s over {world} ranks; "
@@ -277,6 +327,7 @@ def save_checkpoint(
         state = {
             "step": step,
             "data_step": step,
+            "data": cfg.data(),
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),

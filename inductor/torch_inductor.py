@@ -9,6 +9,8 @@ one forward or backward graph. `tests/single/test_torch_internals.py` has a cana
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import re
 from typing import Any, Callable, Iterator, Mapping
@@ -217,9 +219,11 @@ def _run_control_deps_below_autograd() -> None:
     if DispatchKey.Autograd in control_deps.py_kernels:
         return
 
-    @control_deps.py_impl(DispatchKey.Autograd)
     def _below_autograd(additional_deps, subgraph, *args, **kwargs):
         return subgraph(*args, **kwargs)
+
+    _below_autograd._ours = True  # type: ignore[attr-defined] # capabilities() tells torch's kernel from ours
+    control_deps.py_impl(DispatchKey.Autograd)(_below_autograd)
 
 
 def partitioner_patch(
@@ -351,3 +355,90 @@ def kernel_libraries(directory: str) -> set[str]:
             continue
         found.update(f"{sub}/{n}" for n in names if KERNEL_LIBRARY.match(f"{sub}/{n}"))
     return found
+
+
+# -- what this torch offers (python -m compile_core.doctor; compile-time refusals) ---------------------------
+
+
+def capabilities() -> dict[str, tuple[bool, str]]:
+    """What this torch's Inductor offers the layers above: `{feature: (available, how)}`.
+
+    Each check asks for the names the functions above use (not the torch version); `how` is for people
+    (`python -m compile_core.doctor` prints it), decisions read the boolean (`blocker`). Checked on torch
+    2.11.0, 2.13.0 and 2.14.1, where every feature is available (some through our own stand-in).
+    """
+    return {name: check() for name, check in _CHECKS.items()}
+
+
+@functools.cache
+def _compile_fx_hook() -> tuple[bool, str]:
+    from torch._inductor.compile_fx import compile_fx
+
+    if "inner_compile" in inspect.signature(compile_fx).parameters:
+        return True, "compile_fx(inner_compile=...): each forward/backward graph is seen before it is compiled"
+    return False, "compile_fx takes no inner_compile: the compiled graphs cannot be watched"
+
+
+@functools.cache
+def _custom_partitioner() -> tuple[bool, str]:
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "custom_partitioner_fn") and hasattr(
+        inductor_config, "unsafe_marked_cacheable_functions"
+    ):
+        return True, "custom_partitioner_fn and unsafe_marked_cacheable_functions: ddp='in_graph' partitions, cached"
+    return False, "Inductor's config has no custom_partitioner_fn/unsafe_marked_cacheable_functions"
+
+
+def _ordering() -> tuple[bool, str]:
+    try:
+        from torch._inductor.fx_passes.control_dependencies import control_deps, preserve_node_ordering  # noqa: F401
+    except ImportError:
+        return False, "no control_deps/preserve_node_ordering: in-graph all-reduces cannot be ordered"
+    from torch._C import DispatchKey
+
+    kernel = control_deps.py_kernels.get(DispatchKey.Autograd)
+    if kernel is not None and not getattr(kernel, "_ours", False):
+        return True, "control_deps pins the order of in-graph all-reduces"
+    return True, "control_deps pins the order of in-graph all-reduces (this torch gives it no Autograd kernel: ours)"
+
+
+def _isa_probe_memo() -> tuple[bool, str]:
+    import torch._inductor.cpu_vec_isa as vec_isa
+
+    if hasattr(vec_isa.VecISA, "_probe_load"):
+        return True, "a CPU ISA probe library that loaded once is not probed again in a child process"
+    return True, "VecISA has no separate load step: Inductor probes the CPU's ISA in each process, as it always did"
+
+
+def _cache_artifacts() -> tuple[bool, str]:
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+    except ImportError:
+        CacheArtifactManager = None
+    if CacheArtifactManager is not None and hasattr(CacheArtifactManager, "with_fresh_cache"):
+        return True, "one compile's cache artifacts can be shipped to other ranks (compile once per job)"
+    return False, "no CacheArtifactManager.with_fresh_cache: compiled pieces cannot be shipped between ranks"
+
+
+_CHECKS: dict[str, Callable[[], tuple[bool, str]]] = {
+    "inductor.compile_fx_hook": _compile_fx_hook,
+    "inductor.custom_partitioner": _custom_partitioner,
+    "inductor.ordering": _ordering,
+    "inductor.isa_probe_memo": _isa_probe_memo,
+    "inductor.cache_artifacts": _cache_artifacts,
+}
+
+
+def blocker(ddp_mode: str, *, backend: str = "inductor", nested_regions: bool = False) -> str | None:
+    """Why `ddp=ddp_mode` with `backend` cannot work with this torch's Inductor (None when it can); for a
+    compile-time refusal."""
+    needed = []
+    if ddp_mode == "in_graph":
+        needed.append("inductor.ordering")  # the graph pass orders all-reduces on every backend
+    if backend == "inductor":
+        needed.append("inductor.compile_fx_hook")
+        if ddp_mode == "in_graph":
+            needed.append("inductor.custom_partitioner")
+    why = [text for ok, text in (_CHECKS[key]() for key in needed) if not ok]
+    return "; ".join(why) or None

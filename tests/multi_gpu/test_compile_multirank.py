@@ -30,7 +30,13 @@ def record_buckets(ddp: DDP, sink: list) -> None:
 
 
 def train_both(
-    rank: int, world_size: int, backend: str, cap_mb: float, our_cap_mb: tuple | None = None, reuse_pieces: bool = True
+    rank: int,
+    world_size: int,
+    backend: str,
+    cap_mb: float,
+    our_cap_mb: tuple | None = None,
+    reuse_pieces: bool = True,
+    ddp_mode: str = "split",
 ):
     import compile_core
 
@@ -41,7 +47,9 @@ def train_both(
     seen: list = []
     record_buckets(ours, seen)
     override = None if our_cap_mb is None else our_cap_mb[rank]
-    compiled = compile_core.compile(ours, backend=backend, bucket_cap_mb=override, reuse_pieces=reuse_pieces)
+    compiled = compile_core.compile(
+        ours, backend=backend, ddp=ddp_mode, bucket_cap_mb=override, reuse_pieces=reuse_pieces
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     per_step = []
@@ -63,7 +71,10 @@ def train_both(
     }
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("aot_eager", marks=pytest.mark.compat), pytest.param("inductor", marks=pytest.mark.inductor)],
+)
 def test_two_ranks_match_eager_ddp_and_pieces_are_real_buckets(backend):
     results = run_ranks(train_both, backend, 0.05, world_size=2, timeout=280)
     for rank, r in enumerate(results):
@@ -96,3 +107,26 @@ def test_ranks_that_plan_differently_all_reduce_rank0s_buckets():
     assert results[0]["report"]["alignment"]["buckets"] == results[1]["report"]["alignment"]["buckets"]
     assert "ranks [1] planned differently" in results[1]["report"]["alignment"]["detail"]
     assert results[0]["ddp_buckets"][2] == results[1]["ddp_buckets"][2]
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("mode", ["none", "torch"])
+def test_whole_graph_and_pytorch_split_modes_match_eager_ddp(mode):
+    """ddp="none" (one graph, DDP's reducer as DDP built it) and ddp="torch" (PyTorch's DDPOptimizer cuts the
+    graph, we compile its pieces) train what eager DDP trains, on rank-dependent data. DDPOptimizer refuses a
+    DDP bucket cap below its first bucket's (1 MiB), so ddp="torch" runs with DDP's cap at 1 MiB."""
+    cap_mb = 1.0 if mode == "torch" else 0.05
+    results = run_ranks(train_both, "aot_eager", cap_mb, None, True, mode, world_size=2, timeout=280)
+    for rank, r in enumerate(results):
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, r["ref"][name], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")
+        assert r["report"]["ddp_mode"] == mode
+        assert sum(len(step) for step in r["ddp_buckets"]) > 0, f"rank {rank}: DDP's reducer reduced nothing"
+    for name, p in results[0]["params"].items():
+        assert torch.equal(p, results[1]["params"][name]), f"{name} differs between ranks"
+    pieces = [g["pieces"] for g in results[0]["report"]["graphs"]]
+    if mode == "none":
+        assert pieces == [1], pieces
+    else:  # each graph DDPOptimizer hands us is one piece
+        assert pieces and set(pieces) == {1}, pieces
+        assert results[0]["report"]["alignment"]["status"] == "not ours"

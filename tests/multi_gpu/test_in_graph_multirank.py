@@ -179,6 +179,7 @@ def _assert_reduced_in_graph(per_rank: list[dict], *, graphs: int = 1, not_reduc
     assert reports[0] == reports[1], f"ranks compiled different graphs: {reports}"
 
 
+@pytest.mark.compat
 def test_mlp_is_reduced_in_the_backward_and_matches_eager_ddp(results):
     per_rank = ok(results, "mlp")
     assert_matches_eager(per_rank)

@@ -86,6 +86,7 @@ def _rank_fn(rank: int, world_size: int, backend: str):
 
 
 @pytest.mark.multi_gpu
+@pytest.mark.compat
 @pytest.mark.timeout(300)
 def test_adamw_cosine_accumulation_matches_eager_ddp_on_two_ranks():
     results = run_ranks(_rank_fn, "aot_eager", world_size=2, timeout=240)
