@@ -165,8 +165,8 @@ SCENARIOS = {
     "sgd_accum2_clip": lambda rank: _scenario(rank, opt="sgd", accum=2, clip=CLIP),
     "adamw_clip": lambda rank: _scenario(rank, opt="adamw", clip=CLIP),
     "adamw_accum2": lambda rank: _scenario(rank, opt="adamw", accum=2),
-    # accum 3: the swap happens before micro-batch 2, inside no_sync(), with gradients already
-    # accumulated in DDP's bucket views
+    # accum 3: the swap happens before micro-batch 3 (after the first synchronising backward), inside no_sync(),
+    # with DDP's gradients as views into its buckets
     "adamw_accum3_bucket_view": lambda rank: _scenario(
         rank, opt="adamw", accum=3, ddp_kwargs={"gradient_as_bucket_view": True}
     ),
@@ -210,7 +210,8 @@ def results():
 
 def _check_reductions(per_rank: list[dict], accum: int) -> None:
     """No all-reduce under no_sync; on every synchronising micro-batch each parameter exactly once; from
-    the first synchronising micro-batch after the swap on, DDP's buckets are our pieces."""
+    the first synchronising micro-batch after the swap on (the swap comes at the first forward after the first
+    synchronising backward: Note [Bucket alignment]), DDP's buckets are our pieces."""
     for rank, r in enumerate(per_rank):
         pieces = [sorted(b) for b in planned_buckets(r["report"])]
         assert r["applied"] == ([False] * (accum - 1) + [True]) * UPDATES
@@ -222,7 +223,9 @@ def _check_reductions(per_rank: list[dict], accum: int) -> None:
             assert sorted(counts) == r["expected_reduced"] and set(counts.values()) == {1}, (
                 f"rank {rank} micro-batch {i}: each parameter must be reduced once, got {dict(counts)}"
             )
-            if i >= 1:  # compiled in micro-batch 0, aligned before micro-batch 1
+            if (
+                i >= accum
+            ):  # aligned at the first forward after the first synchronising backward (micro-batch accum - 1)
                 real = [sorted(names) for _, names in buckets]
                 assert real == pieces, f"rank {rank} micro-batch {i}: DDP reduced {real}, pieces are {pieces}"
 
