@@ -26,6 +26,7 @@ PEERS: dict[str, str] = {
     "ours_in_graph": "torch_ddpopt",
     "ours_step": "torch_savvy",
     "ours_step_in_graph": "torch_savvy",
+    "ours_step_in_graph_auto": "torch_savvy",
     "ours_step_in_backward": "torch_savvy",
 }
 """Each of our modes and the PyTorch-only mode its compile-time claims are made against: compile_core.compile

@@ -18,11 +18,15 @@ MODES: tuple[str, ...] = (
     "torch_ddpopt",
     "torch_nosplit",
     "torch_python_reducer",
+    "torch_reducer_overlap",
     "torch_savvy",
+    "torch_savvy_one_rank",
+    "torch_savvy_megacache",
     "ours_compile",
     "ours_in_graph",
     "ours_step",
     "ours_step_in_graph",
+    "ours_step_in_graph_auto",
     "ours_step_in_backward",
 )
 """Every mode, in table order (the bracket first)."""
@@ -38,14 +42,25 @@ MODE_HELP: dict[str, str] = {
     "torch_python_reducer": "compiled autograd + optimize_ddp='python_reducer' + eager optimizer",
     "torch_savvy": "torch.compile(ddp_model) (DDPOptimizer) + torch.compile'd optimizer.step(): the strongest "
     "PyTorch-only setup",
+    "torch_reducer_overlap": "compiled autograd + optimize_ddp='python_reducer', the backward's all-reduces bucketed "
+    "and placed by Inductor's overlap scheduler (collective_bucketing) instead of DDP's concat fusion, + "
+    "torch.compile'd optimizer.step()",
+    "torch_savvy_one_rank": "start-up: torch_savvy with compile_on_one_rank (torch 2.14); rank 0 compiles the "
+    "model's pieces in a no_sync forward+backward inside step 1 and ships torch.compiler.save_cache_artifacts() "
+    "to the other ranks, which load it before compiling",
+    "torch_savvy_megacache": "start-up: torch_savvy in an empty Inductor cache dir per job; step 1 first loads "
+    "the mega-cache (save_cache_artifacts) an earlier job of this mode saved (its warm job: a new machine "
+    "given the artifacts)",
     "ours_compile": "compile_core.compile(ddp_model) (ddp='split') + eager optimizer",
     "ours_in_graph": "compile_core.compile(ddp_model, ddp='in_graph') + eager optimizer",
     "ours_step": "compile_core.train_step (ddp='split'; forward+backward+optimizer captured)",
     "ours_step_in_graph": "compile_core.train_step(ddp='in_graph')",
+    "ours_step_in_graph_auto": "compile_core.train_step(ddp='in_graph', bucket_cap_mb='auto'): the cap chosen "
+    "from an all-reduce timed on the process group",
     "ours_step_in_backward": "compile_core.train_step(ddp='in_graph', optimizer_in_backward=True)",
 }
 
-IN_GRAPH_MODES = frozenset({"ours_in_graph", "ours_step_in_graph", "ours_step_in_backward"})
+IN_GRAPH_MODES = frozenset({"ours_in_graph", "ours_step_in_graph", "ours_step_in_graph_auto", "ours_step_in_backward"})
 """Modes whose compiled backward all-reduces itself: DDP's comm hooks (the overlap recorder) see nothing."""
 
 BRACKET_MODES = ("floor", "comm_only")
