@@ -76,9 +76,11 @@ class OptimizerInBackward:
             ]
             if not ready:
                 continue
-            steps = [
-                float(self.optimizer.state[p]["step"]) + 1 if optim_math.is_adam(self.optimizer) else 0.0 for p in ready
-            ]
+            steps = (
+                optim_math.next_steps([self.optimizer.state[p]["step"] for p in ready])
+                if optim_math.is_adam(self.optimizer)
+                else [0.0] * len(ready)
+            )
             rows = optim_math.scalars(self.optimizer, group, steps, ready[0].device)
             for p, row in zip(ready, rows):
                 self._rows[id(p)] = row

@@ -30,7 +30,7 @@ def chunk_arguments(optimizer: torch.optim.Optimizer, group_index: int, params: 
         }
         return params, grads, buffers, optim_math.scalars(optimizer, group, [0.0] * len(params), device), flags
     amsgrad = bool(group.get("amsgrad"))
-    steps = [float(s["step"]) + 1 for s in states]  # the step this update reaches (eager reads it after += 1)
+    steps = optim_math.next_steps([s["step"] for s in states])  # the step this update reaches (eager: after += 1)
     flags = {
         "decoupled": optim_math.decoupled(optimizer, group),
         "weight_decay": group["weight_decay"] != 0,

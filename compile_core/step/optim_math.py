@@ -93,10 +93,31 @@ def support(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def next_steps(step_counts: Sequence[torch.Tensor]) -> list[float]:
+    """The step each update brings its parameter to (its `state["step"]` + 1), read without a device sync per
+    parameter: counts on the CPU (torch's default) are read directly, counts on a GPU (`fused=True`,
+    `capturable=True`) in one transfer per device, not one `.item()` each, which would wait for the GPU
+    every time."""
+    steps: list[float | None] = [None] * len(step_counts)
+    on_device: dict[torch.device, list[int]] = {}
+    for i, count in enumerate(step_counts):
+        if count.device.type == "cpu":
+            steps[i] = float(count) + 1
+        else:
+            on_device.setdefault(count.device, []).append(i)
+    for indices in on_device.values():
+        for i, value in zip(indices, torch.stack([step_counts[i] for i in indices]).tolist()):
+            steps[i] = float(value) + 1
+    return steps  # type: ignore[return-value]
+
+
 def scalars(
     optimizer: torch.optim.Optimizer, group: dict, steps: Sequence[float], device: torch.device | None = None
 ) -> torch.Tensor:
-    """One row of scalars per parameter, for an update that brings each to `steps[i]` (float32, on `device`)."""
+    """One row of scalars per parameter, for an update that brings each to `steps[i]` (float32, on `device`).
+
+    On a GPU the rows travel from page-locked memory without blocking: a copy from ordinary (pageable) host
+    memory would first wait for everything already queued on the stream, every update."""
     if is_adam(optimizer):
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
@@ -106,7 +127,12 @@ def scalars(
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         momentum, dampening = float(group["momentum"]), float(group["dampening"])
         rows = [[wd, momentum, 1 - dampening, -lr] for _ in steps]
-    return torch.tensor(rows, dtype=torch.float32, device=device)
+    host = torch.tensor(rows, dtype=torch.float32)
+    if device is None or torch.device(device).type == "cpu":
+        return host
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def adam_math(

@@ -189,3 +189,12 @@ def test_the_chunk_gets_its_gradients_at_storage_offset_zero_over_the_same_memor
         assert grad.storage_offset() == 0 and grad.data_ptr() == p.grad.data_ptr()
         assert grad.shape == p.grad.shape and grad.stride() == p.grad.stride()
         torch.testing.assert_close(grad, p.grad, rtol=0, atol=0)
+
+
+def test_the_next_step_of_each_parameter_is_read_as_torch_counts_it():
+    """`state["step"] + 1` per parameter, from counts that may sit on different devices (read once per device)."""
+    from compile_core.step import optim_math
+
+    counts = [torch.tensor(3.0), torch.tensor(0.0), torch.tensor(41.0)]
+    assert optim_math.next_steps(counts) == [4.0, 1.0, 42.0]
+    assert optim_math.next_steps([]) == []
