@@ -39,15 +39,24 @@ def _batch(text: str) -> tuple[int, int]:
     return b, t
 
 
-def _compile_threads(text: str) -> int | None:
+AUTO_THREADS = "auto"
+"""--compile-threads default: 1 on a machine without a GPU (the 2-core bed: ranks' compiles in-process, no worker
+pool competing for the cores), torch's own default where a GPU is (the machine users train on)."""
+
+
+def _compile_threads(text: str) -> int | str | None:
     if text == "torch":
         return None
+    if text == AUTO_THREADS:
+        return AUTO_THREADS
     try:
         n = int(text)
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"--compile-threads {text!r}: pass a count >= 1, or 'torch' for its default")
+        raise argparse.ArgumentTypeError(
+            f"--compile-threads {text!r}: pass a count >= 1, 'torch' for its default, or 'auto'"
+        )
     return n
 
 
@@ -161,10 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compile-threads",
         type=_compile_threads,
-        default=1,
-        metavar="N|torch",
-        help="TORCHINDUCTOR_COMPILE_THREADS of every rank (default 1: C++ compiled in-process, seen by the "
-        "breakdown); 'torch' leaves torch's default (the CPU count), as a user's job has it",
+        default=AUTO_THREADS,
+        metavar="N|torch|auto",
+        help="TORCHINDUCTOR_COMPILE_THREADS of every rank; 'torch' leaves torch's default (the CPU count), as a "
+        "user's job has it; default 'auto': torch's default where a GPU is, else 1 (C++ compiled in-process, "
+        "seen by the breakdown, no worker pool competing with the other rank for 2 cores)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -259,8 +269,16 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         compile_mode=None if args.compile_mode == "default" else args.compile_mode,
         autocast=None if args.autocast == "none" else args.autocast,
         nested_regions=args.nested_regions,
-        compile_threads=args.compile_threads,
+        compile_threads=_resolve_threads(args.compile_threads),
     )
+
+
+def _resolve_threads(value: int | str | None) -> int | None:
+    if value != AUTO_THREADS:
+        return value  # type: ignore[return-value]
+    import torch
+
+    return None if torch.cuda.is_available() else 1
 
 
 def config_from_json(

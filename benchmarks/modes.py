@@ -232,7 +232,7 @@ def _overlap_flags() -> dict[str, Any]:
     from torch._inductor import config as inductor_config
 
     opts = getattr(inductor_config, "aten_distributed_optimizations", None)
-    names = ("enable_simple_overlap", "enable_overlap_scheduling", "collective_bucketing", "compute_estimator")
+    names = ("enable_simple_overlap", "enable_overlap_scheduling", "collective_bucketing")
     return {
         "fuse_ddp_communication": getattr(inductor_config, "_fuse_ddp_communication", None),
         **{name: getattr(opts, name, None) for name in names},
@@ -253,14 +253,18 @@ def build_torch_reducer_overlap(ctx: ModeContext) -> Step:
             f"torch {torch.__version__} has no Inductor overlap scheduler with collective bucketing "
             "(torch._inductor.config.aten_distributed_optimizations.collective_bucketing)"
         )
+    if next(ctx.model.parameters()).device.type != "cuda":
+        # seen on 2.14.1 (CUDA wheel, no GPU): its cost model reads the GPU's DRAM bandwidth through Triton's
+        # driver (fusion_regions.estimate_fused_node_costs -> get_gpu_dram_gbps; the roofline estimator too)
+        raise ModeUnavailable(
+            f"torch {torch.__version__}: Inductor's overlap scheduler estimates every op with a GPU's bandwidth "
+            "(get_gpu_dram_gbps through Triton's driver) and fails on a CPU-only machine ('0 active drivers'); "
+            "on the CPU, torch_python_reducer is what compiled autograd offers (DDP's concat fusion, simple_overlap)"
+        )
     # DDP's constructor (python reducer) switched its own concat fusion on; the scheduler buckets instead
     inductor_config._fuse_ddp_communication = False
     opts.enable_overlap_scheduling = True
     opts.collective_bucketing = True
-    if next(ctx.model.parameters()).device.type == "cpu":
-        # its default compute estimator times each op with CUDA events (benchmarker.benchmark_gpu); on the CPU
-        # only the roofline one runs. Its collective estimate is an NCCL model of a GPU link either way
-        opts.compute_estimator = "analytical"
     optimizer = ctx.optimizer
 
     @torch.compile(**compile_options(ctx))
@@ -301,10 +305,10 @@ def _one_rank_compiles(ctx: ModeContext, log: dict[str, Any]) -> Callable[..., N
 
 
 def _cache_info(info: Any) -> dict[str, int] | None:
-    """Artifact counts of a torch.compiler CacheInfo, by kind (None: nothing loaded)."""
+    """Artifact counts of a torch.compiler CacheInfo (its `artifacts`: kind -> keys), by kind (None: nothing)."""
     if info is None:
         return None
-    return {k.removesuffix("_artifacts"): len(v) for k, v in vars(info).items() if isinstance(v, list)}
+    return {kind: len(keys) for kind, keys in getattr(info, "artifacts", {}).items()}
 
 
 def build_torch_savvy_one_rank(ctx: ModeContext) -> Step:

@@ -108,9 +108,21 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
     workload = result["workloads"]["comm"]
     modes = workload["modes"]
     assert set(modes) == set(MODES)
+    # Modes that need what this machine or torch lacks say so; every other mode runs (on torch 2.11-2.14 + gloo),
+    # and a failure names the mode and the rank.
+    import torch
+
+    lacking = set()
+    if not torch.cuda.is_available():
+        lacking.add("torch_reducer_overlap")  # Inductor's overlap scheduler estimates with a GPU's figures
+    if not hasattr(torch.compiler.config, "compile_on_one_rank"):
+        lacking.add("torch_savvy_one_rank")  # torch 2.14's
     for mode, agg in modes.items():
-        # every mode runs on torch 2.13 + gloo; a failure must name the mode and the rank
-        assert agg["status"] == "ok", f"{mode}: {agg.get('error')}"
+        expected = "unavailable" if mode in lacking else "ok"
+        assert agg["status"] == expected, f"{mode}: {agg['status']}: {agg.get('error')}"
+        if mode in lacking:
+            assert agg.get("error"), f"{mode}: unavailable without a reason"
+    modes = {m: a for m, a in modes.items() if m not in lacking}
 
     # The gate: every mode's final parameters are eager's, on every rank.
     params = workload["param_agreement"]
@@ -188,7 +200,7 @@ def _check_bracket(result: dict, rtol: float) -> None:
     assert comm["info"]["wire_dtype"] == str(torch.float32).removeprefix("torch.")
     b = workload["bracket"]
     assert b["floor_ms"] == floor["step_ms"] > 0 and b["comm_only_ms"] == comm["step_ms"] > 0 and not b["missing"]
-    assert set(b["modes"]) == {m for m in modes if m not in ("floor", "comm_only")}
+    assert set(b["modes"]) == {m for m, a in modes.items() if m not in ("floor", "comm_only") and a["status"] == "ok"}
     for mode, row in b["modes"].items():
         assert row["over_floor_ms"] == pytest.approx(modes[mode]["step_ms"] - floor["step_ms"]), mode
         assert 0.0 <= row["comm_hidden"] <= 1.0, (mode, row)

@@ -885,8 +885,12 @@ def test_compile_threads_reach_each_ranks_environment(monkeypatch):
         three = next(iter(plan_round(_cfg("--quick", "--compile-threads", "3"), 1, caches)))
     finally:
         caches.cleanup()
-    assert _rank_env(pinned, 0, 1234)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert _rank_env(pinned, 0, 1234)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"  # 'auto' without a GPU
     assert "TORCHINDUCTOR_COMPILE_THREADS" not in _rank_env(unpinned, 0, 1234)  # torch picks (the CPU count)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _cfg("--quick").compile_threads is None  # 'auto' where a GPU is: torch's default, as users run
     assert _rank_env(three, 1, 1234)["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
     assert "torch's default" in run_condition_lines({"compile_threads": None})[-1]
     assert run_condition_lines({})[-1].endswith("1 (TORCHINDUCTOR_COMPILE_THREADS)")  # older runs: pinned
