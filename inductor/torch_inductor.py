@@ -147,50 +147,6 @@ def decompositions() -> dict:
     return select_decomp_table()
 
 
-def compile_in_place_elementwise(fn: Callable[..., None], example_args: list[torch.Tensor]) -> Callable[..., None]:
-    """`fn(*tensors)`, which writes some of its arguments in place, compiled by Inductor without Dynamo.
-
-    Traced once with symbolic sizes on `example_args` (make_fx over `torch.func.functionalize`, in
-    Inductor's decompositions; the writes become final `copy_`s into the inputs, which Inductor keeps
-    as in-place stores) and handed to `compile_fx_inner` (`torch/_inductor/compile_fx.py`). The
-    result is called with tensors of any length laid out like the examples (1-D contiguous, or 0-dim):
-    no guards and no wrappers, ~8 us a call on the CPU where a `torch.compile`d function takes ~80 us.
-    The caller owns the layout: the generated code checks sizes and strides, nothing else.
-    """
-    from torch._guards import TracingContext, detect_fake_mode, tracing
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    remember_isa_probes()
-    # Away from any compile in progress (a rank waiting inside a backend for another rank's compile does
-    # this meanwhile): make_fx would take that compile's fake mode, and its ShapeEnv would gain this
-    # trace's symbols and guards, renaming the symbols of the graph being compiled, whose cache key
-    # then differs from the other ranks'.
-    with tracing(None), unset_fake_temporarily():
-        traced = make_fx(
-            torch.func.functionalize(fn, remove="mutations"),
-            decomposition_table=decompositions(),
-            tracing_mode="symbolic",
-        )(*example_args)
-        fakes = [n.meta["val"] for n in traced.graph.nodes if n.op == "placeholder"]
-        fake_mode = detect_fake_mode(fakes)  # the trace's own (here a compile in progress would answer)
-    # Inductor compiles graphs that return a tuple; the in-place writes are all `fn` does.
-    output = next(n for n in reversed(traced.graph.nodes) if n.op == "output")
-    output.args = ((),)
-    traced.recompile()
-    # make_fx leaves its ShapeEnv on the module, which Inductor's cache key cannot pickle (the cache would
-    # be bypassed); with None there Inductor takes it from the fake inputs, which carry the same one.
-    traced.shape_env = None
-    with unset_fake_temporarily(), tracing(TracingContext(fake_mode)):
-        compiled = compile_fx_inner(traced, fakes)
-
-    def run(*tensors: torch.Tensor) -> None:
-        compiled(list(tensors))  # boxed: Inductor empties the list it is given
-
-    return run
-
-
 def order_after(graph: fx.Graph, deps: dict[fx.Node, list[fx.Node]]) -> None:
     """Make each node in `deps` run after the nodes listed for it, whatever Inductor's scheduler prefers.
 

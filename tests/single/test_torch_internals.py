@@ -534,67 +534,6 @@ def test_compile_fx_with_sees_forward_and_backward_graphs():
         torch.testing.assert_close(w.grad, (x * w.detach()).cos() * x)
 
 
-# Canary on torch 2.11.0, 2.13.0, 2.14.1.
-@pytest.mark.inductor
-def test_compile_in_place_elementwise_writes_inputs_of_any_length_like_eager(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a fresh cache: the first compile misses it
-    from torch._dynamo.utils import counters
-
-    def update(p, g, m, step, row):  # the shape of an optimizer update: writes p, m and the 0-dim step
-        step.add_(1)
-        m.lerp_(g, row[0])
-        p.add_(m * row[1] / (step + row[2]))
-
-    def args(n: int) -> list[torch.Tensor]:
-        gen = torch.Generator().manual_seed(n)
-        t = lambda: torch.randn(n, generator=gen)  # noqa: E731
-        return [t(), t(), t(), torch.tensor(3.0), torch.tensor([0.1, -0.01, 1.0])]
-
-    with canary("inductor/torch_inductor.py:compile_in_place_elementwise"):
-        counters.clear()
-        compiled = torch_inductor.compile_in_place_elementwise(update, args(64))
-        again = torch_inductor.compile_in_place_elementwise(update, args(64))
-        assert counters["inductor"]["fxgraph_cache_miss"] == 1, dict(counters["inductor"])
-        assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
-        # lengths other than the example's, 1 included (a traced length of 1 would have been specialised);
-        # views at a storage offset (a gradient inside its bucket, a parameter inside a flat buffer) are read
-        # and written where they lie
-        bucket, flat = torch.zeros(1100), torch.zeros(1100)
-        for n, run in ((64, compiled), (1, again), (3, compiled), (1000, again)):
-            expected, got = args(n), args(n)
-            got[0], got[1] = flat[7 : 7 + n].copy_(got[0]), bucket[100 : 100 + n].copy_(got[1])
-            update(*expected)
-            run(*got)
-            for e, g in zip(expected, got):
-                torch.testing.assert_close(g, e)
-
-
-# Canary on torch 2.11.0, 2.13.0, 2.14.1.
-@pytest.mark.inductor
-def test_compile_in_place_elementwise_leaves_a_compile_in_progress_alone(tmp_path, monkeypatch):
-    """A rank waiting inside a backend (another rank compiles the same graph) compiles the update kernel
-    meanwhile: the graph in progress must keep its symbols, or its cache key differs from the other
-    ranks' (seen: the waiting rank missed the cache and compiled the whole update variant again)."""
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    def scale(x, row):
-        x.mul_(row[0])
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cache miss: Inductor lowers the graph
-
-    with canary("inductor/torch_inductor.py:compile_in_place_elementwise"):
-        in_progress = FakeTensorMode(shape_env=ShapeEnv())
-        examples = [torch.zeros(64), torch.tensor([2.0])]
-        with tracing(TracingContext(in_progress)), in_progress:  # its fake mode active, as inside a backend
-            kernel = torch_inductor.compile_in_place_elementwise(scale, examples)
-        assert not in_progress.shape_env.var_to_val, in_progress.shape_env.var_to_val
-        x = torch.ones(5)
-        kernel(x, torch.tensor([3.0]))
-        torch.testing.assert_close(x, torch.full((5,), 3.0))
-
-
 class _OwnError(RuntimeError):
     pass
 
