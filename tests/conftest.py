@@ -27,6 +27,17 @@ def _fresh_dynamo():
     yield
     if "torch" in sys.modules:
         sys.modules["torch"]._dynamo.reset()
+        _no_hidden_torch_config()
+
+
+def _no_hidden_torch_config() -> None:
+    """Deleting an entry of a torch config module hides it for the rest of the worker, and every later test
+    that reads it fails far from the cause. pytest's monkeypatch.setattr on a config module does exactly that
+    when it undoes (pytest >= 9.2 deletes what it did not find in the module's __dict__): use config.patch."""
+    for name in ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config"):
+        module = sys.modules.get(name)
+        hidden = sorted(k for k, entry in getattr(module, "_config", {}).items() if entry.hide)
+        assert not hidden, f"{name}: entries {hidden} were deleted by this test; patch them with {name}.patch(...)"
 
 
 @pytest.fixture(scope="session", autouse=True)

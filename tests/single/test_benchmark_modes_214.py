@@ -47,14 +47,17 @@ def test_cache_info_counts_artifacts_by_kind():
     assert _cache_info(None) is None
 
 
-def test_dynamo_is_set_for_the_python_reducer_modes(monkeypatch):
+def test_dynamo_is_set_for_the_python_reducer_modes():
     import torch._dynamo
 
     from benchmarks.modes import configure_dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
-    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", False)
-    configure_dynamo("torch_reducer_overlap")
-    assert torch._dynamo.config.optimize_ddp == "python_reducer" and torch._dynamo.config.compiled_autograd
-    configure_dynamo("torch_savvy_one_rank")
-    assert torch._dynamo.config.optimize_ddp is True
+    # The config module's own patch, not pytest's monkeypatch: since pytest 9.2 monkeypatch restores a module
+    # attribute it did not find in the module's __dict__ by deleting it, and deleting a torch config entry hides
+    # it for the rest of the process ("torch._dynamo.config.optimize_ddp does not exist" in every later DDP test).
+    with torch._dynamo.config.patch(optimize_ddp=True, compiled_autograd=False):
+        configure_dynamo("torch_reducer_overlap")
+        assert torch._dynamo.config.optimize_ddp == "python_reducer" and torch._dynamo.config.compiled_autograd
+        configure_dynamo("torch_savvy_one_rank")
+        assert torch._dynamo.config.optimize_ddp is True
+    assert torch._dynamo.config.optimize_ddp is True and not torch._dynamo.config.compiled_autograd
