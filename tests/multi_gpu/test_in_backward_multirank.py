@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import os
 
@@ -246,28 +247,35 @@ def test_a_transformers_llama_trains_like_eager(results):
     _assert_like_eager(ok(results, "llama"), rtol=1e-4, atol=1e-5)
 
 
-def _inductor_job(rank: int, world_size: int, cache_dir: str, opt: str = "adamw") -> dict:
+def _inductor_job(rank: int, world_size: int, cache_dir: str, opts: tuple[str, ...]) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # before anything compiles in this process
     from torch._dynamo.utils import counters
 
-    out = _scenario(rank, opt=opt, backend="inductor")
+    out = run_scenarios({opt: functools.partial(_scenario, opt=opt, backend="inductor") for opt in opts}, rank)
     out["counters"] = {k: dict(counters[k]) for k in ("aot_autograd", "inductor")}
     out["device"] = rank_device(rank).type
     return out
 
 
+@pytest.fixture(scope="module")
+def inductor_cold(tmp_path_factory) -> tuple[str, list[dict]]:
+    """One cold Inductor job for both optimizers (their model's graphs compile once): the cache dir and
+    the per-rank results."""
+    cache = str(tmp_path_factory.mktemp("in_backward_inductor") / "cache")
+    return cache, run_ranks(_inductor_job, cache, ("adamw", "sgd_momentum"), world_size=2, timeout=700)
+
+
 @pytest.mark.inductor
 @pytest.mark.timeout(900)
-def test_inductor_updates_like_eager_and_a_warm_job_loads_the_update_variant_from_the_cache(tmp_path):
+def test_inductor_updates_like_eager_and_a_warm_job_loads_the_update_variant_from_the_cache(inductor_cold):
     """The update-2 graph (all-reduce + update per bucket, ordered by control deps) is compiled by
     Inductor, matches eager, and a second job on the same cache compiles nothing."""
-    cache = str(tmp_path / "inductor_cache")
+    cache, cold = inductor_cold
     # Inductor's kernels round differently and Adam magnifies it where a gradient is near zero:
     # 1% of one update (lr 1e-2) absolute; a missing or doubled reduction moves parameters by ~lr.
-    cold = run_ranks(_inductor_job, cache, world_size=2, timeout=700)
-    _assert_like_eager(cold, rtol=1e-3, atol=1e-4)
-    warm = run_ranks(_inductor_job, cache, world_size=2, timeout=400)
-    _assert_like_eager(warm, rtol=1e-3, atol=1e-4)
+    _assert_like_eager(ok(cold, "adamw"), rtol=1e-3, atol=1e-4)
+    warm = run_ranks(_inductor_job, cache, ("adamw",), world_size=2, timeout=400)
+    _assert_like_eager(ok(warm, "adamw"), rtol=1e-3, atol=1e-4)
     # the update variant (update 1 is eager DDP, the update spliced into the backward) comes from
     # AOTAutograd's cache
     for rank, r in enumerate(warm):
@@ -279,9 +287,8 @@ def test_inductor_updates_like_eager_and_a_warm_job_loads_the_update_variant_fro
 
 
 @pytest.mark.inductor
-@pytest.mark.timeout(700)
-def test_inductor_with_plain_momentum_sgd_matches_eager(tmp_path):
+@pytest.mark.timeout(900)
+def test_inductor_with_plain_momentum_sgd_matches_eager(inductor_cold):
     """SGD's update is proportional to the gradient, so a wrong divisor (a sum instead of an average,
     a bucket divided twice) shows at once; Adam's normalisation would hide it."""
-    cold = run_ranks(_inductor_job, str(tmp_path / "cache"), "sgd_momentum", world_size=2, timeout=600)
-    _assert_like_eager(cold, rtol=1e-4, atol=1e-5)
+    _assert_like_eager(ok(inductor_cold[1], "sgd_momentum"), rtol=1e-4, atol=1e-5)
