@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from aot.torch_dynamo import saved_count
+from aot.torch_graphs import saved_count
 
 Compiler = Callable[[fx.GraphModule, list], Callable[..., Any]]
 

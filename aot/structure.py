@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from aot.torch_dynamo import is_op_overload
+from aot.torch_eager import is_op_overload
 
 _META_KEYS = ("recompute", "partitioner_tag")
 """Node metadata that changes the partition or the code (selective activation checkpointing)."""

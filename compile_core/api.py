@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import DynamoError, call_uncompiled, install_compiled_call, installed_compiled_call, root_cause
+from aot.torch_dynamo import DynamoError, root_cause
+from aot.torch_eager import call_uncompiled, install_compiled_call, installed_compiled_call
 from compile_core import progress
 from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents

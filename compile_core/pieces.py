@@ -15,8 +15,9 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from aot import GraphPair, aot_compile, nop_compiler
-from aot.torch_dynamo import RestartAnalysis, inline_nested_regions, non_lazy_backward
+from aot.torch_dynamo import RestartAnalysis, non_lazy_backward
 from aot.torch_dynamo_cache import CacheOutcome, watch_caches
+from aot.torch_graphs import inline_nested_regions
 from compile_core.config import CompileConfig
 from compile_core.report import CompileLog
 from compile_core.reuse.compile_once import Compiled, CompileOnce, Job

@@ -20,7 +20,7 @@ Inductor compiles a graph with repeated region calls without buffer reuse (induc
 it, torch 2.13 computed wrong gradients). AOTAutograd partitions each region body with the graph's own
 partition step, before the graph: the in-graph all-reduce pass leaves a body alone (ddp/in_graph/partitioner.py;
 the parameters' gradients leave through the calling backward, bucketed there). A graph that falls back to
-eager runs the bodies as plain calls (aot/torch_dynamo.py: inline_nested_regions): run eagerly, the region
+eager runs the bodies as plain calls (aot/torch_graphs.py: inline_nested_regions): run eagerly, the region
 op's own backward fails under torch 2.13.
 
 Notes: only for ddp='in_graph' (one graph per step: ddp='split' cuts graphs at bucket boundaries, which

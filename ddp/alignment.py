@@ -52,8 +52,8 @@ from typing import Any, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import tree_leaves
-from ddp import torch_ddp
+from aot.torch_eager import tree_leaves
+from ddp import torch_ddp, torch_ddp_reducer
 from ddp.agreement import PostedValue, RankAgreement
 from ddp.splitter import SplitGraph
 
@@ -66,7 +66,7 @@ STATUSES = ("pending", "aligned", "skipped", "not applicable", "not ours")
 
 def alignment_blocker(ddp: DistributedDataParallel, buckets: Sequence[Sequence[torch.nn.Parameter]]) -> str | None:
     """Why the reducer of `ddp` cannot be rebuilt to `buckets` (None when it can)."""
-    blocker = torch_ddp.reducer_swap_blocker(ddp)
+    blocker = torch_ddp_reducer.reducer_swap_blocker(ddp)
     if blocker is not None:
         return blocker.text
     for i, bucket in enumerate(buckets):
@@ -105,7 +105,7 @@ def rebuild_reducer(ddp: DistributedDataParallel, layout: Sequence[Sequence[int]
     Returns whether the layout is frozen (DDP will not rebuild it later; see `install_reducer`).
     """
     parameters, expect_sparse = torch_ddp.reducer_params(ddp)
-    frozen = torch_ddp.install_reducer(ddp, parameters, expect_sparse, layout)
+    frozen = torch_ddp_reducer.install_reducer(ddp, parameters, expect_sparse, layout)
     log.info(
         "ddp: reducer rebuilt with %d bucket(s) aligned to compiled pieces%s",
         len(layout),

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
-from aot.torch_dynamo import nested_region_calls
+from aot.torch_graphs import nested_region_calls
 from inductor.torch_inductor import compile_fx_with, mode_options, option_names, partitioner_patch
 
 log = logging.getLogger(__name__)

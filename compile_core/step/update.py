@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from aot.torch_dynamo import lookup_backend, optimizer_step_hooks, watch_caches
+from aot.torch_dynamo import lookup_backend, watch_caches
+from aot.torch_eager import optimizer_step_hooks
 from compile_core.events import CompileEvents
 from compile_core.reuse.compile_once import say
 from compile_core.step.optim_math import support

@@ -16,22 +16,22 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp import torch_ddp
+from ddp import torch_ddp, torch_ddp_reducer
 from ddp.in_graph.hooks import BackwardHook, HookedGraph, StepOutcome
 from ddp.in_graph.runtime import InGraphReducer
 from ddp.in_graph.variants import VARIANTS, guard_variant_in
 
 
-def in_graph_blocker(ddp: DistributedDataParallel) -> torch_ddp.DDPOptionBlocker | None:
+def in_graph_blocker(ddp: DistributedDataParallel) -> torch_ddp_reducer.DDPOptionBlocker | None:
     """Why `ddp="in_graph"` cannot keep this DDP model's behaviour (None when it can)."""
-    blocker = torch_ddp.reducer_swap_blocker(ddp)
+    blocker = torch_ddp_reducer.reducer_swap_blocker(ddp)
     if blocker is not None and blocker.option != "static_graph":  # static_graph only orders DDP's own buckets
         return blocker
     params, sparse = torch_ddp.reducer_params(ddp)
     if any(sparse):
         names = {id(p): n for n, p in ddp.module.named_parameters()}
         which = [names.get(id(p), "?") for p, s in zip(params, sparse) if s]
-        return torch_ddp.DDPOptionBlocker(
+        return torch_ddp_reducer.DDPOptionBlocker(
             option="sparse_gradients",
             text=f"{which} get sparse gradients (an embedding with sparse=True), which DDP all-reduces as sparse "
             "tensors and a compiled backward's dense buckets cannot",

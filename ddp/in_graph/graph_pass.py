@@ -9,7 +9,7 @@ bucket, through functional collectives (`_c10d_functional.all_reduce` / `wait_te
 Inductor lowers and schedules like any other op.
 
 Algorithm, on the backward graph AOTAutograd produced (after partitioning):
-  1. find each parameter's gradient output (`aot.torch_dynamo.grad_outputs`) and, per bucket of
+  1. find each parameter's gradient output (`aot.torch_graphs.grad_outputs`) and, per bucket of
      the plan (`ddp/bucketing/grad_buckets.py`), the gradient produced last in the graph;
   2. right after it: divide each of the bucket's gradients by the world size on its way into one
      flat buffer, and issue `all_reduce(sum)` on that buffer (gloo has no AVG; DDP's default hook also
@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from aot.torch_dynamo import grad_outputs, graph_fake_mode, input_placeholders, save_for_backward
+from aot.torch_graphs import grad_outputs, graph_fake_mode, input_placeholders, save_for_backward
 from ddp.bucketing.grad_buckets import GradBucketPlan
 from ddp.in_graph.hooks import AfterReduce, IssuedBucket, Landed, ReducedBackward
 from ddp.torch_ddp import functional_all_reduce_ops

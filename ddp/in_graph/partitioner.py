@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
-from aot.torch_dynamo import has_input_descriptors
+from aot.torch_graphs import has_input_descriptors
 from ddp.bucketing.grad_buckets import GradBucketPlan
 from ddp.in_graph.graph_pass import add_accumulated, insert_bucketed_all_reduce
 from ddp.in_graph.hooks import AfterReduce

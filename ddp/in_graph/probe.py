@@ -33,7 +33,8 @@ from typing import Any, Iterable
 
 import torch
 
-from aot.torch_dynamo import compiled_backward_node, param_edges, tree_leaves
+from aot.torch_eager import tree_leaves
+from aot.torch_graphs import compiled_backward_node, param_edges
 
 
 class OutsideGradientProbe:

@@ -54,8 +54,9 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import inline_nested_regions, tree_leaves, with_extra_inputs
-from ddp import torch_ddp
+from aot.torch_eager import tree_leaves
+from aot.torch_graphs import inline_nested_regions, with_extra_inputs
+from ddp import torch_ddp, torch_ddp_reducer
 from ddp.agreement import RankAgreement
 from ddp.bucketing.grad_buckets import GradBucketPlan
 from ddp.in_graph.after_backward import AfterBackward, graph_buckets
@@ -187,7 +188,7 @@ class InGraphReducer:
         if sync and self.released_bytes is None and not getattr(self.ddp, "static_graph", False):
             # From the first synchronising step on, comm hooks are fixed (`_check_hooks`) and every
             # reduction is ours: DDP's bucket buffers, a full copy of the gradients, go.
-            self.released_bytes = torch_ddp.release_reducer_buckets(self.ddp)
+            self.released_bytes = torch_ddp_reducer.release_reducer_buckets(self.ddp)
         accumulated = sync and self.accumulate_in_graph and any(p.grad is not None for p in self.params)
         if accumulated:
             self._stash = {id(p): p.grad for p in self.params if p.grad is not None}

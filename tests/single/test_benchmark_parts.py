@@ -223,7 +223,7 @@ def test_training_state_counts_ddp_buckets_gradients_and_optimizer_state_once_ea
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from benchmarks.memory import held_mb, training_state_mb
-    from ddp.torch_ddp import release_reducer_buckets
+    from ddp.torch_ddp_reducer import release_reducer_buckets
 
     def state_after_one_step(**ddp_kwargs):
         torch.manual_seed(0)

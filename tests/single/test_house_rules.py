@@ -13,7 +13,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("compile_core", "ddp", "aot", "inductor", "launch")
 HOMES = frozenset(
-    {"ddp/torch_ddp.py", "aot/torch_dynamo.py", "aot/torch_dynamo_cache.py", "inductor/torch_inductor.py"}
+    {
+        "ddp/torch_ddp.py",
+        "ddp/torch_ddp_reducer.py",
+        "aot/torch_dynamo.py",
+        "aot/torch_graphs.py",
+        "aot/torch_eager.py",
+        "aot/torch_dynamo_cache.py",
+        "inductor/torch_inductor.py",
+    }
 )
 """The only modules that may touch private torch names (each function there has a canary in
 tests/single/test_torch_internals.py)."""

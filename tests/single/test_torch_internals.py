@@ -1,5 +1,6 @@
-"""Canaries: one per private torch internal we use (ddp/torch_ddp.py, aot/torch_dynamo.py,
-aot/torch_dynamo_cache.py, inductor/torch_inductor.py). When a torch upgrade changes one, its canary fails
+"""Canaries: one per private torch internal we use (ddp/torch_ddp.py, ddp/torch_ddp_reducer.py,
+aot/torch_dynamo.py, aot/torch_graphs.py, aot/torch_eager.py, aot/torch_dynamo_cache.py,
+inductor/torch_inductor.py). When a torch upgrade changes one, its canary fails
 with a message that names the function to update, instead of a confusing failure deep inside a compile.
 
 The comment above each canary names the torch versions it was run on (CI: the full suite on 2.13.0, this file
@@ -17,8 +18,8 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from aot import torch_dynamo
-from ddp import torch_ddp
+from aot import torch_dynamo, torch_eager, torch_graphs
+from ddp import torch_ddp, torch_ddp_reducer
 from inductor import torch_inductor
 
 pytestmark = pytest.mark.usefixtures("pg")
@@ -107,13 +108,13 @@ def test_a_static_graph_ddp_queues_no_delayed_reduce_once_marked():
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_the_compiled_functions_autograd_node_and_its_parameter_edges():
-    with canary("aot/torch_dynamo.py:compiled_backward_node/param_edges"):
+    with canary("aot/torch_graphs.py:compiled_backward_node/param_edges"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
         out = torch.compile(model, backend="aot_eager")(torch.randn(3, 4))
-        node = torch_dynamo.compiled_backward_node(out)
+        node = torch_graphs.compiled_backward_node(out)
         assert node is not None
-        assert {id(p) for _, p in torch_dynamo.param_edges(node)} == {id(p) for p in model.parameters()}
-        assert torch_dynamo.compiled_backward_node(torch.randn(2)) is None
+        assert {id(p) for _, p in torch_graphs.param_edges(node)} == {id(p) for p in model.parameters()}
+        assert torch_graphs.compiled_backward_node(torch.randn(2)) is None
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
@@ -162,17 +163,17 @@ def test_reducer_params_are_the_trainable_parameters_in_order():
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 @pytest.mark.parametrize("kwargs, words", [({"static_graph": True}, "static_graph"), ({}, None)])
 def test_reducer_swap_blocker_reads_ddp_flags(kwargs, words):
-    with canary("ddp/torch_ddp.py:reducer_swap_blocker"):
+    with canary("ddp/torch_ddp_reducer.py:reducer_swap_blocker"):
         ddp = DDP(nn.Linear(4, 4), **kwargs)
-        blocker = torch_ddp.reducer_swap_blocker(ddp)
+        blocker = torch_ddp_reducer.reducer_swap_blocker(ddp)
         assert (blocker is None) if words is None else (blocker.option == words and words in blocker.text)
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1 (2.11's DDP has no batched_grad_copy: not passed there).
 def test_reducer_takes_our_keywords():
-    with canary("ddp/torch_ddp.py:_new_reducer (install_reducer, release_reducer_buckets)"):
+    with canary("ddp/torch_ddp_reducer.py:_new_reducer (install_reducer, release_reducer_buckets)"):
         doc = torch.distributed.Reducer.__init__.__doc__
-        source = inspect.getsource(torch_ddp._new_reducer)
+        source = inspect.getsource(torch_ddp_reducer._new_reducer)
         for keyword in (
             "params",
             "bucket_indices",
@@ -198,11 +199,11 @@ def test_reducer_takes_our_keywords():
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_release_reducer_buckets_leaves_ddp_working_with_an_idle_one_element_reducer():
-    with canary("ddp/torch_ddp.py:release_reducer_buckets/reducer_bucket_elements"):
+    with canary("ddp/torch_ddp_reducer.py:release_reducer_buckets + ddp/torch_ddp.py:reducer_bucket_elements"):
         ddp = two_layers()
         params, _ = torch_ddp.reducer_params(ddp)
         assert torch_ddp.reducer_bucket_elements(ddp) == sum(p.numel() for p in params)
-        assert torch_ddp.release_reducer_buckets(ddp) == sum(p.numel() * 4 for p in params)
+        assert torch_ddp_reducer.release_reducer_buckets(ddp) == sum(p.numel() * 4 for p in params)
         assert torch_ddp.reducer_bucket_elements(ddp) == 1
         for _ in range(2):  # DDP's forward and an un-synchronised backward still run
             with ddp.no_sync():
@@ -213,7 +214,7 @@ def test_release_reducer_buckets_leaves_ddp_working_with_an_idle_one_element_red
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_install_reducer_gives_ddp_our_buckets_and_keeps_hooks():
-    with canary("ddp/torch_ddp.py:install_reducer"):
+    with canary("ddp/torch_ddp_reducer.py:install_reducer"):
         ddp = two_layers()
         seen: list[int] = []
 
@@ -226,7 +227,7 @@ def test_install_reducer_gives_ddp_our_buckets_and_keeps_hooks():
         ddp.register_comm_hook(None, hook)
         params, sparse = torch_ddp.reducer_params(ddp)
         layout = [[2, 3], [0, 1]]  # last layer's weight+bias first, as gradients become ready
-        assert torch_ddp.install_reducer(ddp, params, sparse, layout)  # frozen: DDP will not re-cut it
+        assert torch_ddp_reducer.install_reducer(ddp, params, sparse, layout)  # frozen: DDP will not re-cut it
         for _ in range(3):  # DDP would rebuild after the first backward; the layout must survive it
             ddp(torch.randn(3, 8)).sum().backward()
         assert seen == [2, 2] * 3
@@ -289,36 +290,36 @@ def test_lookup_backend_and_restart_and_error_types():
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_a_modules_call_can_be_replaced_and_bypassed_like_module_compile_does():
-    with canary("aot/torch_dynamo.py:installed_compiled_call/install_compiled_call/call_uncompiled"):
+    with canary("aot/torch_eager.py:installed_compiled_call/install_compiled_call/call_uncompiled"):
         compiled = nn.Linear(2, 2)
-        assert torch_dynamo.installed_compiled_call(compiled) is None
+        assert torch_eager.installed_compiled_call(compiled) is None
         compiled.compile(backend="eager")
-        assert torch_dynamo.installed_compiled_call(compiled) is not None
+        assert torch_eager.installed_compiled_call(compiled) is not None
         module, hooked = nn.Linear(2, 2), []
         module.register_forward_hook(lambda mod, args, out: hooked.append(out.shape))
-        torch_dynamo.install_compiled_call(module, lambda *args, **kwargs: "replaced")
-        assert torch_dynamo.installed_compiled_call(module) is not None
+        torch_eager.install_compiled_call(module, lambda *args, **kwargs: "replaced")
+        assert torch_eager.installed_compiled_call(module) is not None
         assert module(torch.randn(1, 2)) == "replaced" and hooked == []
         x = torch.randn(3, 2)
-        torch.testing.assert_close(torch_dynamo.call_uncompiled(module, x), module.forward(x))
+        torch.testing.assert_close(torch_eager.call_uncompiled(module, x), module.forward(x))
         assert hooked == [torch.Size([3, 2])]  # hooks run, as in a plain call
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_operators_are_told_from_other_callables():
-    with canary("aot/torch_dynamo.py:is_op_overload"):
-        assert torch_dynamo.is_op_overload(torch.ops.aten.add.Tensor)
-        assert torch_dynamo.is_op_overload(torch.ops.aten.add)
-        assert torch_dynamo.is_op_overload(torch.ops.prims.convert_element_type.default)
+    with canary("aot/torch_eager.py:is_op_overload"):
+        assert torch_eager.is_op_overload(torch.ops.aten.add.Tensor)
+        assert torch_eager.is_op_overload(torch.ops.aten.add)
+        assert torch_eager.is_op_overload(torch.ops.prims.convert_element_type.default)
         assert str(torch.ops.aten.add.Tensor) == "aten.add.Tensor"
-        assert not torch_dynamo.is_op_overload(torch.add) and not torch_dynamo.is_op_overload(lambda x: x)
+        assert not torch_eager.is_op_overload(torch.add) and not torch_eager.is_op_overload(lambda x: x)
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_tree_leaves_flattens_outputs():
-    with canary("aot/torch_dynamo.py:tree_leaves"):
+    with canary("aot/torch_eager.py:tree_leaves"):
         a, b = torch.zeros(1), torch.ones(1)
-        assert torch_dynamo.tree_leaves({"x": [a, (b, 3)], "y": None}) == [a, b, 3, None]
+        assert torch_eager.tree_leaves({"x": [a, (b, 3)], "y": None}) == [a, b, 3, None]
 
 
 def _graph_break_fn(x):
@@ -441,17 +442,17 @@ def test_watch_caches_finds_why_the_aot_cache_was_bypassed(tmp_path, monkeypatch
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_optimizer_step_hooks_are_counted():
-    with canary("aot/torch_dynamo.py:optimizer_step_hooks"):
+    with canary("aot/torch_eager.py:optimizer_step_hooks"):
         opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
-        assert torch_dynamo.optimizer_step_hooks(opt) == 0
+        assert torch_eager.optimizer_step_hooks(opt) == 0
         handle = opt.register_step_pre_hook(lambda optimizer, args, kwargs: None)
-        assert torch_dynamo.optimizer_step_hooks(opt) == 1
+        assert torch_eager.optimizer_step_hooks(opt) == 1
         handle.remove()
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None)
         try:
-            assert torch_dynamo.optimizer_step_hooks(opt) == 1
+            assert torch_eager.optimizer_step_hooks(opt) == 1
         finally:
             handle.remove()
 
@@ -575,29 +576,29 @@ def _partitioned(fn, *inputs, dynamic=None):
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_gradient_outputs_name_their_inputs():
-    with canary("aot/torch_dynamo.py:grad_outputs/input_placeholders/graph_fake_mode"):
+    with canary("aot/torch_graphs.py:grad_outputs/input_placeholders/graph_fake_mode"):
         w, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, requires_grad=True)
         seen = _partitioned(lambda x: torch.nn.functional.linear(x, w, b), torch.randn(2, 4))
-        grads = torch_dynamo.grad_outputs(seen["bw"].graph)
+        grads = torch_graphs.grad_outputs(seen["bw"].graph)
         shapes = {i: tuple(node.meta["val"].shape) for i, (_, node) in grads.items()}
         assert sorted(shapes.values()) == [(3,), (3, 4)], shapes
-        assert set(torch_dynamo.input_placeholders(seen["joint"])) >= set(grads)
-        assert torch_dynamo.graph_fake_mode(seen["bw"].graph) is not None
+        assert set(torch_graphs.input_placeholders(seen["joint"])) >= set(grads)
+        assert torch_graphs.graph_fake_mode(seen["bw"].graph) is not None
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_a_forward_input_can_be_saved_for_the_backward():
-    with canary("aot/torch_dynamo.py:save_for_backward"):
+    with canary("aot/torch_graphs.py:save_for_backward"):
         w = torch.randn(4, requires_grad=True)
         seen = _partitioned(lambda x, b: x * w + b, torch.randn(4), torch.randn(4))
         fw, bw = seen["fw"], seen["bw"]
         saved = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
         unused = next(n for n in fw.graph.nodes if n.op == "placeholder" and n.name not in saved)  # `b`
         before = len([n for n in bw.graph.nodes if n.op == "placeholder"])
-        placeholder = torch_dynamo.save_for_backward(fw, bw, unused)
+        placeholder = torch_graphs.save_for_backward(fw, bw, unused)
         assert placeholder.op == "placeholder"
         assert len([n for n in bw.graph.nodes if n.op == "placeholder"]) == before + 1
-        assert torch_dynamo.save_for_backward(fw, bw, unused) is placeholder  # saved once
+        assert torch_graphs.save_for_backward(fw, bw, unused) is placeholder  # saved once
         fw.recompile()
         bw.recompile()
         assert placeholder.name in bw.code
@@ -609,7 +610,7 @@ def test_an_input_saved_unchecked_reaches_the_backward_after_an_in_place_write(v
     """What `optimizer_in_backward` relies on for the parameters it updates: saved unchecked, a tensor written
     in place between the forward and the backward (as `nn.Embedding(max_norm=...)` writes its weight) still
     reaches the backward; saved checked, autograd refuses it, as torch 2.13 does for any saved tensor."""
-    with canary("aot/torch_dynamo.py:save_for_backward(version_checked=False)"):
+    with canary("aot/torch_graphs.py:save_for_backward(version_checked=False)"):
         from functorch.compile import min_cut_rematerialization_partition
 
         p = torch.randn(4)
@@ -618,7 +619,7 @@ def test_an_input_saved_unchecked_reaches_the_backward_after_an_in_place_write(v
         def partition(joint, joint_inputs, **kwargs):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
             live = next(n for n in fw.graph.nodes if n.op == "placeholder" and n.meta["val"].shape == (4,))
-            torch_dynamo.save_for_backward(fw, bw, live, version_checked=version_checked)
+            torch_graphs.save_for_backward(fw, bw, live, version_checked=version_checked)
             fw.recompile()
             bw.recompile()
             return fw, bw
@@ -639,21 +640,21 @@ def test_an_input_saved_unchecked_reaches_the_backward_after_an_in_place_write(v
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_saved_tensors_pair_up_when_symbolic_sizes_are_saved_too():
     # The forward returns saved tensors then saved sizes; the backward takes the sizes first.
-    with canary("aot/torch_dynamo.py:save_for_backward"):
+    with canary("aot/torch_graphs.py:save_for_backward"):
         w = torch.randn(4, requires_grad=True)
         seen = _partitioned(
             lambda x, b: (x.sum(0) * w).sin() + b.sum(), torch.randn(3, 4), torch.randn(5, 4), dynamic=True
         )
         fw, bw = seen["fw"], seen["bw"]
-        n_saved = torch_dynamo.saved_count(bw.graph)
+        n_saved = torch_graphs.saved_count(bw.graph)
         fw_saved = list(next(n for n in fw.graph.nodes if n.op == "output").args[0])[-n_saved:]
         is_tensor = lambda n: isinstance(n.meta.get("val"), torch.Tensor)  # noqa: E731
         assert not is_tensor(fw_saved[-1]), "no symbolic size saved: the order would not matter here"
         for value in filter(is_tensor, fw_saved):  # already saved: found, by the name it keeps in the backward
-            assert torch_dynamo.save_for_backward(fw, bw, value).name == value.name
+            assert torch_graphs.save_for_backward(fw, bw, value).name == value.name
         unsaved = next(n for n in fw.graph.nodes if n.op == "placeholder" and is_tensor(n) and n not in fw_saved)
-        torch_dynamo.save_for_backward(fw, bw, unsaved)
-        n_saved = torch_dynamo.saved_count(bw.graph)
+        torch_graphs.save_for_backward(fw, bw, unsaved)
+        n_saved = torch_graphs.saved_count(bw.graph)
         fw_tensors = [n.name for n in list(next(n for n in fw.graph.nodes if n.op == "output").args[0])[-n_saved:]]
         bw_saved = [n for n in bw.graph.nodes if n.op == "placeholder"][:n_saved]
         bw_tensors = [n.name.removeprefix("saved_") for n in bw_saved if is_tensor(n)]
@@ -663,11 +664,11 @@ def test_saved_tensors_pair_up_when_symbolic_sizes_are_saved_too():
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_the_saved_values_are_the_backward_inputs_before_the_tangents():
-    with canary("aot/torch_dynamo.py:saved_count"):
+    with canary("aot/torch_graphs.py:saved_count"):
         w = torch.randn(4, requires_grad=True)
         seen = _partitioned(lambda x: (x * w).sin(), torch.randn(4))
         fw_outputs = next(n for n in seen["fw"].graph.nodes if n.op == "output").args[0]
-        assert torch_dynamo.saved_count(seen["bw"].graph) == len(fw_outputs) - 1 >= 1  # one user output
+        assert torch_graphs.saved_count(seen["bw"].graph) == len(fw_outputs) - 1 >= 1  # one user output
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
@@ -691,11 +692,11 @@ def test_a_mutating_function_is_captured_as_a_functional_graph():
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_extra_inputs_leave_dynamos_graph_alone():
-    with canary("aot/torch_dynamo.py:with_extra_inputs"):
+    with canary("aot/torch_graphs.py:with_extra_inputs"):
         seen = {}
 
         def backend(gm, example_inputs):
-            extended = torch_dynamo.with_extra_inputs(gm, ["extra"])
+            extended = torch_graphs.with_extra_inputs(gm, ["extra"])
             seen["placeholders"] = [n.name for n in extended.graph.nodes if n.op == "placeholder"]
             seen["original"] = len([n for n in gm.graph.nodes if n.op == "placeholder"])
             compiled = torch_dynamo.aot_autograd_backend(fw_compiler=lambda g, i: g.forward)(
@@ -828,9 +829,9 @@ def _region_graph() -> tuple[torch.fx.GraphModule, list]:
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_nested_region_calls_counts_the_invoke_subgraph_calls_of_a_dynamo_graph():
     gm, _ = _region_graph()
-    assert torch_dynamo.nested_region_calls(gm) >= 2
+    assert torch_graphs.nested_region_calls(gm) >= 2
     plain = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
-    assert torch_dynamo.nested_region_calls(plain) == 0
+    assert torch_graphs.nested_region_calls(plain) == 0
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1 (the region op's eager backward: see below).
@@ -838,9 +839,9 @@ def test_inline_nested_regions_calls_the_region_bodies_and_gives_the_same_gradie
     """The eager fallback of a graph with regions: no invoke_subgraph left, the graph's outputs, a gradient for
     every parameter, and Dynamo's graph itself unchanged."""
     gm, inputs = _region_graph()
-    before = torch_dynamo.nested_region_calls(gm)
-    plain = torch_dynamo.inline_nested_regions(gm)
-    assert torch_dynamo.nested_region_calls(plain) == 0 and torch_dynamo.nested_region_calls(gm) == before
+    before = torch_graphs.nested_region_calls(gm)
+    plain = torch_graphs.inline_nested_regions(gm)
+    assert torch_graphs.nested_region_calls(plain) == 0 and torch_graphs.nested_region_calls(gm) == before
     real = [
         torch.randn(t.shape) if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) else t for t in inputs
     ]
@@ -852,7 +853,7 @@ def test_inline_nested_regions_calls_the_region_bodies_and_gives_the_same_gradie
     params = [p for p in inputs if isinstance(p, nn.Parameter)]
     grads = [p.grad.clone() for p in params if p.grad is not None]
     assert len(grads) == len(params) > 0 and all(g.abs().sum() > 0 for g in grads)
-    with canary("aot/torch_dynamo.py:inline_nested_regions (invoke_subgraph's eager backward)"):
+    with canary("aot/torch_graphs.py:inline_nested_regions (invoke_subgraph's eager backward)"):
         # Why it exists: on torch 2.11 and 2.13 Dynamo's graph as it is cannot run a backward eagerly (the
         # region op's autograd rule wants a fake mode). 2.14 runs the body under plain autograd when it is
         # given real tensors; inlining is then not needed, and both must give the same gradients.
@@ -879,11 +880,11 @@ def test_region_bodies_reach_the_partition_step_without_input_descriptors():
     from aot import nop_compiler
     from tests.multi_gpu.field_models import Regioned
 
-    with canary("aot/torch_dynamo.py:has_input_descriptors (invoke_subgraph bodies partitioned alone)"):
+    with canary("aot/torch_graphs.py:has_input_descriptors (invoke_subgraph bodies partitioned alone)"):
         seen: list[bool] = []
 
         def partition(joint, joint_inputs, **kwargs):
-            seen.append(torch_dynamo.has_input_descriptors(joint.graph))
+            seen.append(torch_graphs.has_input_descriptors(joint.graph))
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         torch._dynamo.reset()

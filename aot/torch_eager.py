@@ -1,0 +1,73 @@
+"""The private parts of torch's eager objects that the compile stack reads, in one place (a home of private
+torch internals, like `aot/torch_dynamo.py`): a module's compiled call, operator overloads, pytree's
+flattening, the optimizer's step hooks.
+
+These are how `nn.Module`, `torch._ops`, `torch.utils._pytree` and `torch.optim` work when nothing compiles;
+Dynamo's and AOTAutograd's own internals are in `aot/torch_dynamo.py` and `aot/torch_graphs.py`. Each
+function says which torch 2.13 file it mirrors; `tests/single/test_torch_internals.py` has one canary per
+function.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+
+def installed_compiled_call(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """What `module.compile()` installed as the module's call (None: the module is not compiled).
+
+    Mirrors `nn.Module._compiled_call_impl` (`torch/nn/modules/module.py`): `Module.compile()` stores
+    the compiled `_call_impl` there and `Module.__call__` (`_wrapped_call_impl`) runs it instead.
+    """
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def install_compiled_call(module: torch.nn.Module, fn: Callable[..., Any]) -> None:
+    """Make every call of `module` run `fn`, as `module.compile()` does (see `installed_compiled_call`)."""
+    module._compiled_call_impl = fn
+
+
+def call_uncompiled(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call `module` the way `nn.Module.__call__` does without a compiled call: hooks, then `forward`.
+
+    Mirrors `nn.Module._call_impl` (`torch/nn/modules/module.py`). Dynamo traces through it (and
+    inlines torch.nn code, `nn.Sequential` included) when called from a frame it compiles.
+    """
+    return module._call_impl(*args, **kwargs)
+
+
+def is_op_overload(fn: Any) -> bool:
+    """True for an ATen/prims operator (`torch.ops.aten.add.Tensor` or `torch.ops.aten.add`).
+
+    Mirrors `OpOverload` / `OpOverloadPacket` (`torch/_ops.py`): they name themselves stably
+    (`str(op)` is `aten.add.Tensor`), unlike other callables.
+    """
+    return isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def tree_leaves(value: Any) -> list[Any]:
+    """The leaves of a nested container of tensors (lists, tuples, dicts, dataclasses torch knows).
+
+    Mirrors `torch.utils._pytree.tree_leaves`, the flattening Dynamo and AOTAutograd use for outputs.
+    """
+    return pytree.tree_leaves(value)
+
+
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:
+    """How many step pre/post hooks (global or on `optimizer`) `optimizer.step()` would call.
+
+    Mirrors `Optimizer._optimizer_step_pre_hooks`/`_optimizer_step_post_hooks` and the module-level
+    `_global_optimizer_pre_hooks`/`_global_optimizer_post_hooks` (`torch/optim/optimizer.py`),
+    which `Optimizer.profile_hook_step` runs around every `step()`; there is no public count.
+    """
+    from torch.optim import optimizer as optim_module
+
+    return (
+        len(optimizer._optimizer_step_pre_hooks)
+        + len(optimizer._optimizer_step_post_hooks)
+        + len(optim_module._global_optimizer_pre_hooks)
+        + len(optim_module._global_optimizer_post_hooks)
+    )
