@@ -8,6 +8,7 @@
 * `config.py`, `report.py`, `checks.py` -- its configuration, report and input checks;
 * `update.py` -- the optimizer update after the backward compiled whole, and its capture check;
 * `chunked_update.py` -- the same update compiled once per repeated block (SGD, Adam, AdamW);
+* `chunk_plan.py` -- the chunks: each param group cut per repeated block;
 * `chunk_math.py` -- the function a chunk's update runs, and its arguments;
 * `stand_ins.py` -- copies and torch-made optimizer state, to compile the update before update 1;
 * `optim_math.py` -- SGD/Adam/AdamW math per parameter, with host-computed scalars; `StateWatch`;

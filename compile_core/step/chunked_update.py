@@ -7,8 +7,8 @@ the update per parameter: for a 12-block transformer that is ~200 copies to trac
 generate, every run (Dynamo's tracing is never cached), and it dominated a compiled train step's first step.
 
 Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW: `optim_math.support`, as compile_core/in_backward/):
-  * the parameters of each param group are cut into chunks: one per repeated block (from the
-    parameter names, ddp/bucketing/repeats.py) and one for the rest;
+  * the parameters of each param group are cut into chunks (compile_core/step/chunk_plan.py): one per
+    repeated block (from the parameter names, ddp/bucketing/repeats.py) and one for the rest;
   * one function applies the update math of compile_core/step/optim_math.py to each parameter of a chunk,
     fed with a vector of scalars per parameter computed on the host as eager torch computes them
     (a graph input: schedulers change values, never the graph);
@@ -42,7 +42,6 @@ sparse groups keep `CompiledUpdate`.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Any, Callable
@@ -54,23 +53,8 @@ from compile_core.events import CompileEvents
 from compile_core.reuse.compile_once import Compiled, CompileOnce, Job, rank_offset, say
 from compile_core.step import optim_math
 from compile_core.step.chunk_math import UPDATES, chunk_arguments
+from compile_core.step.chunk_plan import Chunk, plan_chunks
 from compile_core.step.stand_ins import stand_ins
-from ddp.bucketing import ParamInfo
-from ddp.bucketing.repeats import repeated_units
-
-
-@dataclasses.dataclass
-class _Chunk:
-    group: int
-    """Index of its param group."""
-    name: str
-    """`group0.blocks.3` or `group0.rest`."""
-    params: list[torch.nn.Parameter]
-    keys: dict = dataclasses.field(default_factory=dict)
-    """Ids of a set of its parameters with a gradient -> the key of the compiled update for that set
-    (group, shapes/strides/dtypes of the parameters and their state): one entry per set this chunk runs
-    compiled, at most `MAX_SUBSETS`."""
-
 
 MAX_SUBSETS = 4
 """Compiled variants per chunk for different sets of parameters with a gradient (see the Note)."""
@@ -98,7 +82,7 @@ class ChunkedUpdate:
         """One per chunk: `name`, `cache` (reused, or the cache outcome), `seconds`, `reused_from`."""
         self._backend = lookup_backend(backend)
         self._backend_name = backend if isinstance(backend, str) else "custom"
-        self._chunks = _plan_chunks(optimizer, names)
+        self._chunks = plan_chunks(optimizer, names)
         self._params = [p for c in self._chunks for p in c.params]
         self._fns: dict[tuple, Callable[..., Any]] = {}
         self._clip: Callable[[], Any] | None = None
@@ -198,13 +182,13 @@ class ChunkedUpdate:
             self._stateless = self._without_state()
         return any(p.grad is not None for p in self._stateless)
 
-    def _key(self, chunk: _Chunk, present: list[torch.nn.Parameter]) -> tuple[tuple, tuple]:
+    def _key(self, chunk: Chunk, present: list[torch.nn.Parameter]) -> tuple[tuple, tuple]:
         """(ids, key) of a set of the chunk's parameters; a set seen before costs a dict lookup."""
         ids = tuple(map(id, present))
         key = chunk.keys.get(ids)
         return ids, key if key is not None else (chunk.group, self._signature(present))
 
-    def _compiled_fn(self, chunk: _Chunk, present: list[torch.nn.Parameter]) -> Callable[..., Any] | None:
+    def _compiled_fn(self, chunk: Chunk, present: list[torch.nn.Parameter]) -> Callable[..., Any] | None:
         """The compiled update for these parameters of the chunk (those with a gradient); compiled now,
         on the real tensors by this call, for a set not seen at update 1. None (eager) past
         `MAX_SUBSETS` sets in this chunk."""
@@ -221,7 +205,7 @@ class ChunkedUpdate:
         """Compile each distinct chunk (and the clip) by running it once on copies of its tensors."""
         start = time.perf_counter()
         first: dict[tuple, str] = {}
-        distinct: list[tuple[_Chunk, list[torch.nn.Parameter], tuple]] = []
+        distinct: list[tuple[Chunk, list[torch.nn.Parameter], tuple]] = []
         self._stateless = self._without_state()
         stateless = set(map(id, self._stateless))
         for chunk in self._chunks:
@@ -322,7 +306,7 @@ class ChunkedUpdate:
             compiled += 1
         return compiled
 
-    def _new_chunk_fn(self, chunk: _Chunk) -> Callable[..., Any]:
+    def _new_chunk_fn(self, chunk: Chunk) -> Callable[..., Any]:
         # Static shapes: every chunk runs the same function, and Dynamo made the second distinct chunk a
         # process compiled through it dynamic (automatic dynamic shapes). The graph, and its cache key, then
         # depended on which chunk a rank compiled first, so ranks that start apart missed each other's compile.
@@ -376,7 +360,7 @@ class ChunkedUpdate:
 
     def _run(
         self,
-        chunk: _Chunk,
+        chunk: Chunk,
         fn: Callable[..., Any] | None,
         *,
         params: list | None = None,
@@ -392,24 +376,3 @@ class ChunkedUpdate:
                 UPDATES[type(self.optimizer)](*chunk_arguments(self.optimizer, chunk.group, *zip(*kept)))
             return
         fn(*chunk_arguments(self.optimizer, chunk.group, params, states))
-
-
-def _plan_chunks(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[_Chunk]:
-    chunks: list[_Chunk] = []
-    for index, group in enumerate(optimizer.param_groups):
-        # Every parameter of the group, frozen ones too: torch's step updates whatever has a gradient when
-        # it runs, and a parameter frozen now may be unfrozen later (gradual unfreezing in fine-tuning).
-        params = list(group["params"])
-        infos = [
-            ParamInfo(
-                name=names.get(id(p), f"param{i}"), nbytes=p.numel() * p.element_size(), key=f"{p.dtype}/{p.device}"
-            )
-            for i, p in enumerate(params)
-        ]
-        units = repeated_units(infos)
-        by_unit: dict[str, list] = {}
-        for p, info in zip(params, infos):
-            by_unit.setdefault(units.get(info.name, ""), []).append(p)
-        for unit, members in by_unit.items():
-            chunks.append(_Chunk(group=index, name=f"group{index}.{unit or 'rest'}", params=members))
-    return chunks
