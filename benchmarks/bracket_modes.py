@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.modes import ModeContext, ModeUnavailable, Step, autocast_region, compile_options
+from benchmarks.mode_context import ModeContext, ModeUnavailable, Step, autocast_region, compile_options
 from examples.gpt import lm_loss
 
 WIRE_DTYPES = {None: None, "fp16": torch.float16}

@@ -9,18 +9,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.config import (
-    COMPILE_WORKLOAD,
-    MODES,
-    OPTIMIZERS,
-    TINY_PRESET,
-    WORKLOAD_NAMES,
-    BenchConfig,
-    Workload,
-    full_workloads,
-)
+from benchmarks.config import MODES, OPTIMIZERS, BenchConfig
 from benchmarks.deps import missing
 from benchmarks.runner import REPO_ROOT
+from benchmarks.workloads import COMPILE_WORKLOAD, TINY_PRESET, WORKLOAD_NAMES, Workload, full_workloads
 from examples.gpt_config import GPTConfig
 
 PRESETS = {

@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from benchmarks.config import BRACKET_MODES, NO_COMPILE_MODES, BenchConfig, Workload
+from benchmarks.config import BRACKET_MODES, NO_COMPILE_MODES, BenchConfig
 from benchmarks.runner import JobSpec, run_job
+from benchmarks.workloads import Workload
 
 COMPILED_KINDS = ("cold", "warm")
 

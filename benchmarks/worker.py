@@ -57,7 +57,8 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     from benchmarks.breakdown import StepClock
     from benchmarks.checksum import param_checksum
     from benchmarks.config import IN_GRAPH_MODES
-    from benchmarks.modes import BUILDERS, ModeContext, configure_dynamo, make_optimizer
+    from benchmarks.mode_context import ModeContext
+    from benchmarks.modes import BUILDERS, configure_dynamo, make_optimizer
     from examples.gpt import GPT, GPTConfig, synthetic_batch
 
     torch.set_num_threads(1)  # one core per rank: 2 ranks share the 2 cores of the dev machine
@@ -325,7 +326,7 @@ def main(argv: list[str]) -> int:
         code = 0
     except BaseException as err:  # every failure becomes a result that names the mode and the rank
         from benchmarks.memory import process_peak_rss_mb
-        from benchmarks.modes import ModeUnavailable
+        from benchmarks.mode_context import ModeUnavailable
 
         unavailable = isinstance(err, ModeUnavailable)
         result = {

@@ -1,6 +1,6 @@
 """Shape of the GPT-like model (examples/gpt.py) and its named presets: the one place a model shape is declared.
 
-The demo job (examples/train_gpt.py), the integration examples and the benchmark (benchmarks/config.py) all
+The demo job (examples/train_gpt.py), the integration examples and the benchmark (benchmarks/workloads.py) all
 build their model from a preset here, changing only what their command line asks for. This module imports
 no torch: the benchmark driver validates its workloads before it checks that torch is installed.
 """
@@ -57,4 +57,4 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "integration": GPTConfig(vocab_size=128, d_model=64, n_layers=3, n_heads=4, max_seq_len=32),
 }
 """Named model shapes. The benchmark sizes the position table to each workload's sequence length
-(`benchmarks.config.Workload.gpt`), so `max_seq_len` of the `bench*` and `tiny` presets is not what it builds."""
+(`benchmarks.workloads.Workload.gpt`), so `max_seq_len` of the `bench*` and `tiny` presets is not what it builds."""

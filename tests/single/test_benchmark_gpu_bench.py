@@ -220,17 +220,17 @@ STAND_IN = textwrap.dedent(
 
 
 def test_phases_time_the_ready_jobs_and_report_the_crashed_and_the_hung(tmp_path):
-    from benchmarks import gpu
+    from benchmarks import gpu, gpu_phases
 
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     args = gpu.build_parser().parse_args(["--d-model", "32", "--layers", "1", "--heads", "2", "--vocab", "64"])
     modes = ("eager", "torch_savvy", "ours_step", "ours_step_in_graph")
     cfg = gpu._config(args, modes, 1, "python -m benchmarks.gpu (test)", "fp32")
-    entries = [gpu.Entry("fp32", mode, cfg) for mode in modes]
+    entries = [gpu_phases.Entry("fp32", mode, cfg) for mode in modes]
     lines: list[str] = []
-    budget = gpu.Budget(20.0, log=lines.append, margin_s=1.0)
-    jobs = gpu.run_phases(
+    budget = gpu_phases.Budget(20.0, log=lines.append, margin_s=1.0)
+    jobs = gpu_phases.run_phases(
         entries,
         parallel=len(modes),
         reserve_s=2.0,

@@ -23,24 +23,25 @@ def test_every_mode_has_a_builder_and_a_description_and_the_new_ones_are_there()
 
 
 def test_modes_name_the_missing_mechanism_and_the_torch(monkeypatch):
-    from benchmarks import modes
+    from benchmarks import modes_torch
+    from benchmarks.mode_context import ModeUnavailable
 
     # a torch without compile_on_one_rank in torch.compiler.config (2.13 keeps an unwired flag elsewhere)
     monkeypatch.setattr(torch.compiler, "config", types.SimpleNamespace())
-    with pytest.raises(modes.ModeUnavailable, match=rf"torch {re.escape(torch.__version__)} .*compile_on_one_rank"):
-        modes.build_torch_savvy_one_rank(None)
+    with pytest.raises(ModeUnavailable, match=rf"torch {re.escape(torch.__version__)} .*compile_on_one_rank"):
+        modes_torch.build_torch_savvy_one_rank(None)
     # a torch whose Inductor has no overlap scheduler with collective bucketing
     monkeypatch.setattr(torch._inductor, "config", types.SimpleNamespace())
-    with pytest.raises(modes.ModeUnavailable, match="collective_bucketing"):
-        modes.build_torch_reducer_overlap(None)
+    with pytest.raises(ModeUnavailable, match="collective_bucketing"):
+        modes_torch.build_torch_reducer_overlap(None)
     # the mega-cache mode keeps its file in the cache dir the runner gives a mode's cold and warm jobs
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    with pytest.raises(modes.ModeUnavailable, match="TORCHINDUCTOR_CACHE_DIR"):
-        modes.build_torch_savvy_megacache(None)
+    with pytest.raises(ModeUnavailable, match="TORCHINDUCTOR_CACHE_DIR"):
+        modes_torch.build_torch_savvy_megacache(None)
 
 
 def test_cache_info_counts_artifacts_by_kind():
-    from benchmarks.modes import _cache_info
+    from benchmarks.modes_torch import _cache_info
 
     info = types.SimpleNamespace(artifacts={"inductor": ["a", "b"], "aot_autograd": ["c"]})
     assert _cache_info(info) == {"inductor": 2, "aot_autograd": 1}

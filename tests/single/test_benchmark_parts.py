@@ -300,7 +300,8 @@ def _touched_mapping(mib: int):
 
 
 def test_new_config_fields_are_validated_with_the_value_and_the_fix():
-    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.config import BenchConfig
+    from benchmarks.workloads import Workload
 
     w = (Workload(name="w"),)
     with pytest.raises(ValueError, match="optimizer='adam'.*sgd"):
@@ -323,7 +324,8 @@ def test_new_config_fields_are_validated_with_the_value_and_the_fix():
 
 
 def test_param_tolerance_follows_backend_and_optimizer():
-    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.config import BenchConfig
+    from benchmarks.workloads import Workload
 
     def tol(backend: str, optimizer: str) -> float:
         return BenchConfig(workloads=(Workload(name="w"),), backend=backend, optimizer=optimizer).param_tolerance()
@@ -338,8 +340,9 @@ def test_param_tolerance_follows_backend_and_optimizer():
 def test_make_optimizer_builds_the_configured_optimizer():
     import torch
 
-    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.config import BenchConfig
     from benchmarks.modes import make_optimizer
+    from benchmarks.workloads import Workload
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     kwargs = BenchConfig(workloads=(Workload(name="w"),), optimizer="adamw").optimizer_kwargs()
@@ -435,7 +438,8 @@ def test_workloads_and_examples_build_the_models_they_built_before_the_presets()
 def test_workloads_read_back_from_results_json_old_and_new():
     import dataclasses
 
-    from benchmarks.config import BenchConfig, Workload, full_workloads
+    from benchmarks.config import BenchConfig
+    from benchmarks.workloads import Workload, full_workloads
     from examples.gpt import GPT_PRESETS
 
     cfg = BenchConfig(workloads=full_workloads())
@@ -752,8 +756,9 @@ def test_the_gates_exempt_the_bracket_modes_and_the_tables_label_them():
 
 def test_param_gate_loosened_for_16_bit_reductions_only_and_says_so():
     from benchmarks.aggregate import param_agreement
-    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.config import BenchConfig
     from benchmarks.tables import param_agreement_line
+    from benchmarks.workloads import Workload
 
     ref = _fingerprint({"w": [1.0, -2.0, 0.5]})
     bf16 = _fingerprint({"w": [1.0, -2.0, 0.5 + 2e-3]})  # a 16-bit all-reduce lands ~1e-3 away
@@ -798,7 +803,8 @@ def test_new_flags_reach_the_config_and_every_job():
 
 
 def test_new_config_values_are_checked_naming_the_value_and_the_fix():
-    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.config import BenchConfig
+    from benchmarks.workloads import Workload
 
     w = (Workload(name="w"),)
     for bad in (0.0, -5.0, float("nan"), float("inf"), True, 1e-7):
@@ -818,9 +824,10 @@ def test_new_config_values_are_checked_naming_the_value_and_the_fix():
 
 
 def test_compile_mode_reaches_every_job_and_every_compile_call():
-    from benchmarks.config import BenchConfig, Workload
-    from benchmarks.modes import ModeContext, compile_options
+    from benchmarks.config import BenchConfig
+    from benchmarks.mode_context import ModeContext, compile_options
     from benchmarks.suite import CacheDirs, plan_round
+    from benchmarks.workloads import Workload
 
     cfg = _cfg("--quick", "--compile-mode", "reduce-overhead", "--modes", "torch_savvy,ours_step_in_graph")
     assert cfg.compile_mode == "reduce-overhead" and _cfg("--quick").compile_mode is None
@@ -872,10 +879,11 @@ def test_nested_regions_reach_every_job_and_region_blocks_compute_what_plain_blo
 
 
 def test_compile_threads_reach_each_ranks_environment(monkeypatch):
-    from benchmarks.config import BenchConfig, Workload
-    from benchmarks.report import run_condition_lines
+    from benchmarks.config import BenchConfig
+    from benchmarks.report_sections import run_condition_lines
     from benchmarks.runner import _rank_env
     from benchmarks.suite import CacheDirs, plan_round
+    from benchmarks.workloads import Workload
 
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "7")  # the caller's own setting never leaks through
     caches = CacheDirs()

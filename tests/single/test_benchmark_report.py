@@ -18,7 +18,8 @@ def _render(tmp_path: Path, md: Path, *argv: str) -> int:
     """--render a results.json with no jobs, in the format runs recorded before the GPT presets (the model's
     shape flat in each workload, as bench_out/full/results.json has it)."""
     from benchmarks import cli
-    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.config import BenchConfig
+    from benchmarks.workloads import Workload
 
     cfg = BenchConfig(
         workloads=(Workload(name="comm", batch=2, seq_len=64),),
