@@ -41,8 +41,8 @@ def _replay(result: dict, *, ranks: tuple[int, ...], grad_scale: float = 1.0) ->
     import torch
 
     from benchmarks.checksum import param_checksum
-    from benchmarks.config import Workload
     from benchmarks.modes import make_optimizer
+    from benchmarks.workloads import Workload
     from examples.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 
     cfg = result["config"]
@@ -181,7 +181,7 @@ def _check_bracket(result: dict, rtol: float) -> None:
     mode has its place in the bracket."""
     import torch
 
-    from benchmarks.config import Workload
+    from benchmarks.workloads import Workload
     from examples.gpt import GPT, GPTConfig
 
     workload = result["workloads"]["comm"]
@@ -325,7 +325,8 @@ def test_param_agreement_flags_wrong_modes_ranks_and_jobs():
 
 
 def test_bad_benchmark_config_is_a_value_error_naming_the_value():
-    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.config import BenchConfig
+    from benchmarks.workloads import Workload
     from examples.gpt_config import GPTConfig
 
     with pytest.raises(ValueError, match="n_heads=5"):
@@ -342,8 +343,9 @@ def test_bad_benchmark_config_is_a_value_error_naming_the_value():
 
 
 def test_rounds_are_interleaved_and_rotated(tmp_path):
-    from benchmarks.config import BenchConfig, Workload
+    from benchmarks.config import BenchConfig
     from benchmarks.suite import CacheDirs, plan_round
+    from benchmarks.workloads import Workload
 
     cfg = BenchConfig(
         workloads=(Workload(name="w"),),
