@@ -122,6 +122,39 @@ def _worker(
             dist.destroy_process_group()
 
 
+_SERVER_ENV_KEY = "PYTEST_CURRENT_TEST"  # changes with every test; the ranks never read it
+_server_env: dict[str, str] | None = None
+"""This process's environment when the fork server started (it and every rank it forks keep that one)."""
+
+
+def _rank_context():
+    """How the ranks start: forked from a server that imported torch once (`tests/rank_server.py`), or,
+    where that would change what a rank sees, spawned afresh (importing torch again, ~4 s of CPU each).
+
+    Spawned instead: when a GPU is visible (a forked rank must not inherit CUDA state), and when this
+    process's environment differs from the one the server started with (a test set a variable for its
+    ranks: a forked rank has the server's environment, and torch read its settings at the server's import).
+    """
+    global _server_env
+    env = {k: v for k, v in os.environ.items() if k != _SERVER_ENV_KEY}
+    if torch.cuda.is_available() or (_server_env is not None and env != _server_env):
+        return mp.get_context("spawn")
+    if _server_env is None:
+        forkserver = mp.get_context("forkserver")
+        forkserver.set_forkserver_preload(["tests.rank_server"])
+        _server_env = env
+    return mp.get_context("forkserver")
+
+
+def stop_rank_server() -> None:
+    """Stop the fork server, if this process started one (at the session's end: a run without xdist has it
+    in the process that checks for leftovers). Python stops it only at exit, through a private method."""
+    if _server_env is not None:
+        import multiprocessing.forkserver
+
+        multiprocessing.forkserver._forkserver._stop()
+
+
 def _kill_rank(proc) -> None:
     """SIGKILL the rank's process group (the rank and its children); the rank itself if it has none yet."""
     if proc.pid is None:
@@ -154,7 +187,7 @@ def run_ranks(
     """
     pg_timeout = timeout if pg_timeout is None else pg_timeout
     backend = backend_for(world_size) if backend is None else backend
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     queue = ctx.Queue()
     # The rendezvous store is served from here, bound to a port the OS picks: no window in which another
     # process could take the port between choosing it and listening on it (EADDRINUSE seen in CI).

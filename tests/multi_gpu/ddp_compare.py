@@ -30,11 +30,16 @@ from tests.ranks import to_rank_device, wrap_ddp
 # -- inside the ranks ---------------------------------------------------------------------------------
 
 
-def run_scenarios(scenarios: dict[str, Callable[[int], dict]], rank: int) -> dict[str, dict]:
-    """Run every scenario in order on this rank; {name: result or {"error": traceback}}."""
+def run_scenarios(
+    scenarios: dict[str, Callable[[int], dict]], rank: int, names: tuple[str, ...] | None = None
+) -> dict[str, dict]:
+    """Run the named scenarios (default: every one) in their dict's order on this rank; {name: result or
+    {"error": traceback}}."""
     results: dict[str, dict] = {}
     failed = None
     for name, fn in scenarios.items():
+        if names is not None and name not in names:
+            continue
         if failed is not None:
             results[name] = {"error": f"not run: scenario {failed!r} raised before it on rank {rank}"}
             continue
@@ -48,6 +53,27 @@ def run_scenarios(scenarios: dict[str, Callable[[int], dict]], rank: int) -> dic
             failed = name
     torch._dynamo.reset()
     return results
+
+
+def selected_scenarios(request: Any, scenarios: dict[str, Any]) -> tuple[str, ...]:
+    """The scenarios a module-scoped launch must run for the tests this session selected from its module.
+
+    Every scenario, unless each selected test of the module names the ones it reads with
+    `@pytest.mark.scenarios(...)`: then only those. So `pytest -m compat` (one test of a module) or `-k`
+    pays for the scenarios it checks, not for the module's whole launch. `request` is the fixture's.
+    """
+    wanted: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        marker = item.get_closest_marker("scenarios")
+        if marker is None:
+            return tuple(scenarios)
+        wanted.update(marker.args)
+    unknown = sorted(wanted - set(scenarios))
+    if unknown:
+        raise ValueError(f"@pytest.mark.scenarios names {unknown}, which {request.module.__name__} does not define")
+    return tuple(n for n in scenarios if n in wanted)
 
 
 class BucketLog:
@@ -204,6 +230,11 @@ def ok(results: list[dict], name: str) -> list[dict]:
     """The scenario's per-rank results; fails the test with the rank's traceback if it raised."""
     out = []
     for rank_results in results:
+        if name not in rank_results:
+            raise AssertionError(
+                f"scenario {name!r} did not run in this launch (ran: {sorted(rank_results)}): "
+                f"name it in the test's @pytest.mark.scenarios(...)"
+            )
         r = rank_results[name]
         if "error" in r:
             raise AssertionError(r["error"])

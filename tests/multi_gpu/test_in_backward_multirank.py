@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.multi_gpu.ddp_compare import ok, run_scenarios, snapshot
+from tests.multi_gpu.ddp_compare import ok, run_scenarios, selected_scenarios, snapshot
 from tests.multi_gpu.models import step_data, step_model
 from tests.ranks import rank_device, run_ranks, to_rank_device, wrap_ddp
 
@@ -175,13 +175,13 @@ SCENARIOS = {
 }
 
 
-def _all_scenarios(rank: int, world_size: int) -> dict:
-    return run_scenarios(SCENARIOS, rank)
+def _all_scenarios(rank: int, world_size: int, names: tuple[str, ...]) -> dict:
+    return run_scenarios(SCENARIOS, rank, names)
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(_all_scenarios, world_size=2, timeout=400)
+def results(request):
+    return run_ranks(_all_scenarios, selected_scenarios(request, SCENARIOS), world_size=2, timeout=400)
 
 
 def _assert_like_eager(per_rank: list[dict], *, rtol: float = 1e-4, atol: float = 1e-6, active: bool = True) -> None:
@@ -212,7 +212,11 @@ def _assert_like_eager(per_rank: list[dict], *, rtol: float = 1e-4, atol: float 
 
 @pytest.mark.parametrize(
     "name",
-    ["sgd_momentum", "sgd_nesterov", "adam", pytest.param("adamw_foreach", marks=pytest.mark.compat), "adamw_accum2"],
+    [
+        pytest.param(name, marks=pytest.mark.scenarios(name))
+        for name in ("sgd_momentum", "sgd_nesterov", "adam", "adamw_accum2")
+    ]
+    + [pytest.param("adamw_foreach", marks=[pytest.mark.compat, pytest.mark.scenarios("adamw_foreach")])],
 )
 def test_update_inside_the_backward_matches_eager(results, name):
     _assert_like_eager(ok(results, name))

@@ -30,6 +30,7 @@ from tests.multi_gpu.ddp_compare import (
     assert_matches_eager,
     ok,
     run_scenarios,
+    selected_scenarios,
     snapshot,
     train_against_eager,
 )
@@ -143,13 +144,13 @@ SCENARIOS = {
 }
 
 
-def _all_scenarios(rank: int, world_size: int) -> dict:
-    return run_scenarios(SCENARIOS, rank)
+def _all_scenarios(rank: int, world_size: int, names: tuple[str, ...]) -> dict:
+    return run_scenarios(SCENARIOS, rank, names)
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(_all_scenarios, world_size=2, timeout=400)
+def results(request):
+    return run_ranks(_all_scenarios, selected_scenarios(request, SCENARIOS), world_size=2, timeout=400)
 
 
 def _assert_reduced_in_graph(per_rank: list[dict], *, graphs: int = 1, not_reduced: tuple[str, ...] = ()) -> None:
@@ -180,6 +181,7 @@ def _assert_reduced_in_graph(per_rank: list[dict], *, graphs: int = 1, not_reduc
 
 
 @pytest.mark.compat
+@pytest.mark.scenarios("mlp")
 def test_mlp_is_reduced_in_the_backward_and_matches_eager_ddp(results):
     per_rank = ok(results, "mlp")
     assert_matches_eager(per_rank)

@@ -28,6 +28,7 @@ from tests.multi_gpu.ddp_compare import (
     ok,
     planned_buckets,
     run_scenarios,
+    selected_scenarios,
     snapshot,
     update_rel_err,
 )
@@ -199,13 +200,13 @@ SCENARIOS = {
 }
 
 
-def _all_scenarios(rank: int, world_size: int) -> dict:
-    return run_scenarios(SCENARIOS, rank)
+def _all_scenarios(rank: int, world_size: int, names: tuple[str, ...]) -> dict:
+    return run_scenarios(SCENARIOS, rank, names)
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(_all_scenarios, world_size=2, timeout=400)
+def results(request):
+    return run_ranks(_all_scenarios, selected_scenarios(request, SCENARIOS), world_size=2, timeout=400)
 
 
 def _check_reductions(per_rank: list[dict], accum: int) -> None:
@@ -291,7 +292,15 @@ def test_a_parameter_that_never_gets_a_gradient_leaves_the_optimizer_update_comp
         assert r["params"]["extra.weight"].equal(r["initial"]["extra.weight"])
 
 
-@pytest.mark.parametrize("mode", ["split", pytest.param("in_graph", marks=pytest.mark.compat)])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("split", marks=pytest.mark.scenarios("adamw_unfrozen_at_update_3_split")),
+        pytest.param(
+            "in_graph", marks=[pytest.mark.compat, pytest.mark.scenarios("adamw_unfrozen_at_update_3_in_graph")]
+        ),
+    ],
+)
 def test_a_layer_unfrozen_after_update_2_is_updated_as_torch_updates_it(results, mode):
     """Gradual unfreezing: a layer frozen when DDP and the optimizer were built trains from update 3 on;
     the compiled update used to leave it where it was, silently (it planned its chunks from the parameters
