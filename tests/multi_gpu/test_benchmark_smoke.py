@@ -10,7 +10,7 @@ mode's parameter fingerprint (benchmarks/checksum.py) against eager's, at a tole
 run without all-reduce (or with a doubled gradient) cannot meet, by replaying those runs itself. The
 smoke runs SGD (its default): AdamW normalises the gradient's scale away, so a doubled gradient would
 pass an AdamW gate (see BenchConfig.param_rtol); the AdamW plumbing is unit-tested in
-tests/single/test_benchmark_parts.py.
+tests/single/test_benchmark_config.py and tests/single/test_benchmark_cli.py.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def _check_metrics(modes: dict) -> None:
     assert modes["ours_in_graph"]["info"]["in_graph_variants"], "no in-graph graph was compiled"
 
 
-# -- pure parts of the benchmark (no processes; more in tests/single/test_benchmark_parts.py) --------------
+# -- pure parts of the benchmark (no processes; more in tests/single/test_benchmark_*.py) ------------------
 
 
 def _agg(loss: float, jobs: list[float] | None = None) -> dict:

@@ -1,0 +1,46 @@
+"""compile_core.compile's argument checks: bad ddp modes, bucket caps, backends, modes and options, a ddp='torch'
+call without a DDP model, and a model that is not an nn.Module are rejected with a clear error before any
+compile work."""
+
+from __future__ import annotations
+
+import pytest
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import compile_core
+from tests.single.ddp_helpers import mlp
+
+pytestmark = pytest.mark.usefixtures("pg")
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"ddp": "fast"}, ValueError, "ddp='fast'"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb=0"),
+        ({"bucket_cap_mb": -3}, ValueError, "bucket_cap_mb=-3"),
+        ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb='25'"),
+        ({"first_bucket_cap_mb": 0}, ValueError, "first_bucket_cap_mb=0"),
+        ({"bucket_cap_mb": 1, "first_bucket_cap_mb": 2}, ValueError, "first_bucket_cap_mb=2"),
+        ({"first_bucket_cap_mb": 30}, ValueError, "first_bucket_cap_mb=30"),  # DDP's cap is 25 MiB
+        ({"backend": "inductr"}, ValueError, "backend='inductr'"),
+        ({"backend": "aot_eager", "mode": "max-autotune"}, ValueError, "only apply to backend='inductor'"),
+        ({"mode": "turbo"}, ValueError, "mode='turbo'"),
+        ({"options": {"no_such_option": 1}}, ValueError, "no_such_option"),
+    ],
+)
+def test_bad_input_is_rejected_before_compiling(kwargs, exc, match):
+    model = DDP(mlp(1))
+    with pytest.raises(exc, match=match):
+        compile_core.compile(model, **kwargs)
+    assert getattr(model.module, "_compiled_call_impl", None) is None
+
+
+def test_torch_mode_needs_a_ddp_model():
+    with pytest.raises(ValueError, match="ddp='torch'.*needs a DDP model"):
+        compile_core.compile(mlp(1), ddp="torch")
+
+
+def test_model_that_is_not_a_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        compile_core.compile(lambda x: x)

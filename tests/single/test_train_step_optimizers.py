@@ -1,0 +1,228 @@
+"""The optimizer update inside compile_core.train_step (one process, DDP-wrapped models, compared with eager
+DDP): compiled once per repeated block shape, parameters whose first gradient comes late or never, optimizers
+with step hooks, the user's optimizer still usable afterwards, and the eager fallback (with its reason in the
+report) for an optimizer Dynamo cannot trace or a backend that fails on the update."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import CosineAnnealingLR, StepLR
+
+from compile_core.step import train_step
+from tests.single.train_step_helpers import (
+    ATOL,
+    BACKEND,
+    OPTIMIZERS,
+    RTOL,
+    assert_params_close,
+    batches,
+    eager_ddp_run,
+    fresh_dynamo,  # noqa: F401 (an autouse fixture)
+    make_setup,
+    process_group,  # noqa: F401 (an autouse fixture)
+    tiny_model,
+)
+
+
+def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
+    from tests.single.ddp_helpers import Blocks
+
+    def setup():
+        torch.manual_seed(0)
+        model = DDP(Blocks(width=16))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(4)]
+    model, opt = setup()
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    for x, y in data:
+        step(x, y)
+    ref_model, ref_opt = setup()
+    eager_ddp_run(ref_model, ref_opt, None, data)
+    assert_params_close(model, ref_model)
+    opt_report = step.report().to_dict()["optimizer"]
+    assert opt_report["compiled"] and opt_report["per_block"] and opt_report["recompiles"] == [], opt_report
+    chunks = {r["name"]: r for r in opt_report["graph_compiles"]}
+    # one graph for the four identical blocks, one for the other parameters
+    assert sorted(n for n, r in chunks.items() if r["reused_from"] is None) == [
+        "update.group0.module.blocks.0",
+        "update.group0.rest",
+    ]
+    assert (
+        sorted(r["reused_from"] for r in chunks.values() if r["reused_from"]) == ["update.group0.module.blocks.0"] * 3
+    )
+    assert "per block" in str(step.report())
+
+
+def _unused_setup(make, opt_name: str):
+    """(module, DDP with find_unused_parameters=True, optimizer), the same for every call."""
+    torch.manual_seed(0)
+    module = make()
+    model = DDP(module, find_unused_parameters=True)
+    return module, model, OPTIMIZERS[opt_name](model.parameters())
+
+
+class LateBranch(nn.Module):
+    """Blocks plus a branch that joins only after the first updates (`late` has no gradient, hence
+    no optimizer state, until then), and one that never joins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.late = nn.Linear(16, 16)
+        self.never = nn.Linear(16, 16)
+        self.use_late = False
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x + self.late(x) if self.use_late else x
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
+def test_parameters_that_get_their_first_gradient_later_update_like_eager(opt_name):
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(5)]
+    module, model, opt = _unused_setup(LateBranch, opt_name)
+    ref_module, ref_model, ref_opt = _unused_setup(LateBranch, opt_name)
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    for i, (x, y) in enumerate(data):
+        module.use_late = ref_module.use_late = i >= 2
+        step(x, y)
+        eager_ddp_run(ref_model, ref_opt, None, [(x, y)])
+    assert_params_close(model, ref_model)
+    torch.manual_seed(0)
+    assert not torch.equal(module.late.weight.detach(), LateBranch().late.weight), "the late branch never trained"
+    # the optimizer state is eager's: created for `late` when it first had a gradient, none for `never`
+    ours = {n: opt.state.get(p, {}) for n, p in module.named_parameters()}
+    theirs = {n: ref_opt.state.get(p, {}) for n, p in ref_module.named_parameters()}
+    assert {n for n, st in ours.items() if st} == {n for n, st in theirs.items() if st}
+    assert not ours["never.weight"] and ours["late.weight"]
+    for name, st in theirs.items():
+        for key, value in st.items():
+            torch.testing.assert_close(
+                torch.as_tensor(ours[name][key]),
+                torch.as_tensor(value),
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda m: f"{name}.{key}: {m}",
+            )
+    assert step.report().to_dict()["optimizer"]["per_block"]
+
+
+class WithPooler(nn.Module):
+    """A pooler the loss never reaches (a classification head's pooler in token-level fine-tuning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.pooler = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)))
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
+def test_a_parameter_that_never_gets_a_gradient_leaves_the_update_compiled(opt_name):
+    data = batches(4)
+    module, model, opt = _unused_setup(WithPooler, opt_name)
+    _, ref_model, ref_opt = _unused_setup(WithPooler, opt_name)
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    for x, y in data:
+        step(x, y)
+    eager_ddp_run(ref_model, ref_opt, None, data)
+    assert_params_close(model, ref_model)
+    report = step.report().to_dict()["optimizer"]
+    assert report["compiled"] and report["fallback_error"] is None, report
+    assert report["graphs"] >= 1 and not opt.state.get(module.pooler.weight)
+
+
+def test_optimizer_with_step_hooks_keeps_the_whole_step():
+    model, opt, _ = make_setup("sgd_momentum")
+    calls = []
+    opt.register_step_post_hook(lambda optimizer, args, kwargs: calls.append(1))
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    for x, y in batches(3):
+        step(x, y)
+    opt_report = step.report().to_dict()["optimizer"]
+    assert not opt_report["per_block"] and "step hook" in opt_report["whole_step_reason"]
+    assert len(calls) == 3  # every update went through optimizer.step()
+
+
+def test_the_users_optimizer_and_scheduler_keep_working_after_train_step():
+    """After compiled updates, the user's objects behave as in plain PyTorch: floats in param_groups,
+    get_last_lr() floats, a direct optimizer.step(), a second optimizer over the same parameters."""
+    model = DDP(tiny_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    sched = CosineAnnealingLR(opt, T_max=6)
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND, lr_scheduler=sched)
+    for x, y in batches(3):
+        step(x, y)
+    group = opt.param_groups[0]
+    assert isinstance(group["lr"], float) and group["capturable"] is False
+    assert all(isinstance(b, float) for b in group["betas"])
+    assert all(isinstance(v, float) for v in sched.get_last_lr())
+    x, y = batches(1, seed=7)[0]
+    F.mse_loss(model(x), y).backward()
+    opt.step()  # foreach with a tensor lr and capturable=False would raise here
+    second = torch.optim.AdamW(model.parameters(), lr=group["lr"], foreach=True)
+    second.step()
+    assert isinstance(opt.state_dict()["param_groups"][0]["lr"], float)
+
+
+class OpaqueSGD(torch.optim.SGD):
+    """SGD whose step Dynamo must not trace (as with optimizers that call compiler.disable)."""
+
+    @torch.compiler.disable
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def test_untraceable_optimizer_runs_eagerly_and_says_so():
+    data = batches(3)
+    model = DDP(tiny_model())
+    opt = OpaqueSGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = StepLR(opt, step_size=1, gamma=0.5)
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND, lr_scheduler=sched)
+    for x, y in data:
+        step(x, y)
+
+    ref_model, ref_opt, _ = make_setup("sgd_momentum")
+    eager_ddp_run(ref_model, ref_opt, StepLR(ref_opt, step_size=1, gamma=0.5), data)
+    assert_params_close(model, ref_model)
+
+    d = step.report().to_dict()
+    assert d["optimizer"]["compiled"] is False, d["optimizer"]
+    assert "captured no graph" in d["optimizer"]["fallback_error"]
+    assert "disable" in d["optimizer"]["fallback_error"], d["optimizer"]["fallback_error"]
+    assert any(f["piece"] == "optimizer.step" and f["to"] == "eager" for f in d["fallbacks"])
+    assert isinstance(opt.param_groups[0]["lr"], float), "the eager fallback gives the user's floats back"
+    assert "EAGER" in str(step.report())
+
+
+def test_backend_failure_on_the_update_falls_back_with_the_error(monkeypatch):
+    def refusing_backend(gm, example_inputs):
+        raise RuntimeError("this backend refuses optimizer graphs")
+
+    # The update looks its backend up by name (whole or per block); the model's backend stays aot_eager.
+    for name in ("compile_core.step.update", "compile_core.step.chunked_update"):
+        monkeypatch.setattr(importlib.import_module(name), "lookup_backend", lambda backend: refusing_backend)
+    data = batches(3)
+    model, opt, sched = make_setup("adamw", "step")
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND, lr_scheduler=sched)
+    for x, y in data:
+        step(x, y)
+    ref_model, ref_opt, ref_sched = make_setup("adamw", "step")
+    eager_ddp_run(ref_model, ref_opt, ref_sched, data)
+    assert_params_close(model, ref_model)
+    opt_report = step.report().to_dict()["optimizer"]
+    assert opt_report["compiled"] is False
+    assert "refuses optimizer graphs" in opt_report["fallback_error"], opt_report
