@@ -6,6 +6,9 @@ import pytest
 
 from tests.procs import SESSION_ENV, kill_trees, wait_for_leftovers
 
+# Helpers whose bare asserts should explain themselves as a test's do (rewritten when first imported).
+pytest.register_assert_rewrite("tests.single.train_step_helpers")
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor's CPU kernels as scalar C++ (no at::vec templates): about 40% less CPU per C++ compile on CI's
 # 2 cores, and no ISA probe in each process. The tests prove what our layer does with Inductor (caches,
