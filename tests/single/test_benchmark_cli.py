@@ -5,6 +5,8 @@ workload gets, and the dependency check that fails before any job runs."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 
 import pytest
@@ -259,3 +261,12 @@ def test_bracket_modes_get_one_kind_of_job_each_and_no_scaling_or_overlap_jobs(t
     finally:
         caches.cleanup()
     assert recorded == {"floor": False, "comm_only": False, "eager": True}
+
+
+def test_importing_the_entry_module_runs_nothing(monkeypatch):
+    """`python -m benchmarks` runs the command line; importing benchmarks.__main__ (a tool listing modules,
+    a test) must not start a benchmark."""
+    monkeypatch.setattr(sys, "argv", ["benchmarks", "--no-such-flag"])  # main() would exit 2 on it
+    monkeypatch.delitem(sys.modules, "benchmarks.__main__", raising=False)
+    module = importlib.import_module("benchmarks.__main__")
+    assert callable(module.main)
