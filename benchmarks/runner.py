@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.link import LinkError, LinkShape, ShapedNamespace
+from benchmarks.rank_start import ForkedRank, RankServer
 from launch.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -72,13 +73,13 @@ def _rank_env(spec: JobSpec, rank: int, port: int, *, shaped: bool = False) -> d
     return env
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen | ForkedRank) -> None:
     """Kill a rank we started and whatever it spawned (it leads its own session)."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        except ProcessLookupError:  # a forked rank killed before it made its group
+            proc.kill()
     proc.wait(timeout=10)
 
 
@@ -89,11 +90,19 @@ def _tail(path: Path, lines: int = 6) -> str:
         return ""
 
 
-def run_job(spec: JobSpec, jobs_dir: Path, *, timeout_s: float, link: LinkShape | None = None) -> dict[str, Any]:
+def run_job(
+    spec: JobSpec,
+    jobs_dir: Path,
+    *,
+    timeout_s: float,
+    link: LinkShape | None = None,
+    ranks: RankServer | None = None,
+) -> dict[str, Any]:
     """Run one job to completion; return the per-rank results plus a job-level status.
 
     With `link`, the job's ranks share a network namespace of their own with a shaped loopback
-    (benchmarks/link.py); a namespace that cannot be made fails the job, not the run.
+    (benchmarks/link.py); a namespace that cannot be made fails the job, not the run. With `ranks`, they are
+    forked from that server where they can be (Note [Forked benchmark ranks]), else started fresh.
     """
     job_dir = jobs_dir / spec.job_id
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +115,7 @@ def run_job(spec: JobSpec, jobs_dir: Path, *, timeout_s: float, link: LinkShape 
                 prefix = stack.enter_context(ShapedNamespace(link)).prefix()
             except LinkError as err:
                 return _link_failed(spec, job_dir, err)
-        return _run_ranks(spec, job_dir, spec_path, prefix=prefix, timeout_s=timeout_s)
+        return _run_ranks(spec, job_dir, spec_path, prefix=prefix, timeout_s=timeout_s, ranks=None if prefix else ranks)
 
 
 WORKER = ("-m", "benchmarks.worker")
@@ -136,17 +145,31 @@ def finish_job(
 
 
 def _start_ranks(
-    spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[str], worker: tuple[str, ...] = WORKER
-) -> list[subprocess.Popen]:
+    spec: JobSpec,
+    job_dir: Path,
+    spec_path: Path,
+    *,
+    prefix: list[str],
+    worker: tuple[str, ...] = WORKER,
+    ranks: RankServer | None = None,
+) -> list[subprocess.Popen | ForkedRank]:
     port = free_port()  # a fresh namespace has every port free: the host's pick is as good as any there
-    procs = []
+    procs: list[subprocess.Popen | ForkedRank] = []
     for rank in range(spec.world_size):
-        with open(job_dir / f"rank{rank}.log", "w") as log:
+        env = _rank_env(spec, rank, port, shaped=bool(prefix))
+        log_path = job_dir / f"rank{rank}.log"
+        forked = None
+        if ranks is not None and not prefix and worker == WORKER:
+            forked = ranks.start(spec_path, env=env, log_path=log_path, cwd=REPO_ROOT)
+        if forked is not None:
+            procs.append(forked)
+            continue
+        with open(log_path, "w") as log:
             procs.append(
                 subprocess.Popen(
                     [*prefix, sys.executable, *worker, str(spec_path)],
                     cwd=REPO_ROOT,
-                    env=_rank_env(spec, rank, port, shaped=bool(prefix)),
+                    env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -155,8 +178,10 @@ def _start_ranks(
     return procs
 
 
-def _run_ranks(spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[str], timeout_s: float):
-    procs = _start_ranks(spec, job_dir, spec_path, prefix=prefix)
+def _run_ranks(
+    spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[str], timeout_s: float, ranks: RankServer | None
+):
+    procs = _start_ranks(spec, job_dir, spec_path, prefix=prefix, ranks=ranks)
     started = time.monotonic()
     deadline = started + timeout_s
     failed_at: float | None = None
@@ -171,7 +196,9 @@ def _run_ranks(spec: JobSpec, job_dir: Path, spec_path: Path, *, prefix: list[st
         time.sleep(0.2)
     for p in procs:
         _kill_group(p)
-    return _collect(spec, job_dir, procs, timed_out=timed_out, timeout_s=timeout_s, wall_s=time.monotonic() - started)
+    res = _collect(spec, job_dir, procs, timed_out=timed_out, timeout_s=timeout_s, wall_s=time.monotonic() - started)
+    res["forked_ranks"] = sum(isinstance(p, ForkedRank) for p in procs)
+    return res
 
 
 def _link_failed(spec: JobSpec, job_dir: Path, err: LinkError) -> dict[str, Any]:

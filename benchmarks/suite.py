@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from benchmarks.config import BRACKET_MODES, NO_COMPILE_MODES, BenchConfig
+from benchmarks.rank_start import RankServer
 from benchmarks.runner import JobSpec, run_job
 from benchmarks.workloads import Workload
 
@@ -152,6 +153,7 @@ def run_suite(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> list[d
         log(f"link: {link.describe()}")
     results: list[dict[str, Any]] = []
     dead: dict[tuple[str, ...], str] = {}  # (workload, mode[, kind]) -> why later jobs are skipped
+    ranks = RankServer()
     try:
         rounds = [plan_round(cfg, r, caches) for r in range(1, cfg.rounds + 1)]
         for spec in (s for plan in rounds + [plan_overlap(cfg, caches)] for s in plan):
@@ -161,7 +163,7 @@ def run_suite(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> list[d
                 results.append(_skipped(spec, why))
                 continue
             t0 = time.monotonic()
-            res = run_job(spec, jobs_dir, timeout_s=cfg.timeout_s, link=link)
+            res = run_job(spec, jobs_dir, timeout_s=cfg.timeout_s, link=link, ranks=ranks)
             results.append(res)
             status = "ok" if res["ok"] else ("UNAVAILABLE" if res["unavailable"] else "FAILED")
             log(
@@ -173,6 +175,7 @@ def run_suite(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> list[d
                 # 1-rank job only stops the other 1-rank jobs of that mode.
                 dead[key + (spec.kind,) if spec.kind == "single" else key] = res["errors"][0]
     finally:
+        ranks.close()
         caches.cleanup()
     return results
 

@@ -154,8 +154,10 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
     assert workload["loss_agreement"]["ok"], workload["loss_agreement"]
     for mode, loss in finished.items():
         assert loss == pytest.approx(finished["eager"], rel=1e-3), mode
-    # every job ran 1 warm-up, 1 timed and 1 profiled step (the bracket modes are never profiled)
+    # every job ran 1 warm-up, 1 timed and 1 profiled step (the bracket modes are never profiled), its ranks
+    # forked from the run's server (Note [Forked benchmark ranks]: one environment for the whole run)
     for job in result["jobs"]:
+        assert job["forked_ranks"] == job["world_size"] == 2, job["job_id"]
         for rank in job["ranks"]:
             if rank.get("ok"):
                 profiled = 0 if job["mode"] in BRACKET_MODES else 1
