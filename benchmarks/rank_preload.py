@@ -1,6 +1,7 @@
 """What the benchmark's rank server imports once, before it forks the ranks (Note [Forked benchmark ranks] in
 benchmarks/rank_start.py): the modules every `benchmarks.worker` imports before its first step. Nothing here
-may compile, start a thread or touch a GPU."""
+may compile, start a thread or touch a GPU. An ImportError here is skipped by the fork server (the rank then
+imports what it needs itself); any other error would stop the server."""
 
 import torch
 import torch._dynamo  # noqa: F401
@@ -18,5 +19,6 @@ import compile_core  # noqa: F401
 import ddp.overlap  # noqa: F401
 import examples.gpt  # noqa: F401
 
-if torch.cuda.is_initialized():  # a forked rank would inherit a CUDA context it cannot use
-    raise RuntimeError("benchmarks.rank_preload initialised CUDA: the benchmark's ranks cannot be forked after it")
+# A forked rank would inherit a CUDA context it cannot use. Not raised here: the fork server would die with it and
+# take the whole run down; each forked rank checks instead (benchmarks.rank_start._rank_main) and fails its job.
+CUDA_INITIALISED = torch.cuda.is_initialized()

@@ -13,7 +13,7 @@ runner made for it, leads a session of its own (the runner kills rank groups), w
 runs `benchmarks.worker.main`. A forked rank is as fresh as a spawned one where it matters: the server
 compiles nothing, so Dynamo's and Inductor's in-memory caches are empty, and Inductor reads
 TORCHINDUCTOR_CACHE_DIR from the environment at every lookup, so each job keeps its own cold or warm cache
-directory. The server never initialises CUDA (a forked CUDA context is unusable): the preload checks.
+directory. The server never initialises CUDA (a forked CUDA context is unusable): each forked rank checks.
 
 What a fork cannot change: settings torch reads once, at import (OpenMP threads, Inductor's compile threads,
 TORCH_LOGS, Dynamo's precompile cache path, which the benchmark's modes leave off). The server starts with
@@ -81,6 +81,8 @@ class RankServer:
         self._scratch: tempfile.TemporaryDirectory | None = None
         self.forked = 0
         """Ranks forked so far (the rest of the run's ranks started fresh)."""
+        self.fresh_why: str | None = None
+        """Why the last rank `start` declined to fork started fresh instead (None while every rank forked)."""
 
     def __enter__(self) -> RankServer:
         return self
@@ -98,18 +100,24 @@ class RankServer:
         """Fork a rank running `benchmarks.worker` on `spec_path`; None where a fork would see other import-time
         settings than `env` asks for (the caller starts a fresh interpreter instead)."""
         if os.environ.get(FRESH_RANKS_ENV) == "1":
-            return None
+            return self._fresh(f"{FRESH_RANKS_ENV}=1")
         ctx = multiprocessing.get_context("forkserver")
         if self._env is None:
             if _fork_server_running():
-                return None
+                return self._fresh("this process already runs a multiprocessing fork server that other code started")
             self._start_server(ctx, _import_env(env))
-        if _import_env(env) != self._env:
-            return None
+        wanted = _import_env(env)
+        if wanted != self._env:
+            differ = sorted(k for k in wanted.keys() | self._env.keys() if wanted.get(k) != self._env.get(k))
+            return self._fresh(f"the job's environment differs from the rank server's in {', '.join(differ)}")
         process = ctx.Process(target=_rank_main, args=(str(spec_path), env, str(log_path), str(cwd)))
         process.start()
         self.forked += 1
         return ForkedRank(process)
+
+    def _fresh(self, why: str) -> None:
+        self.fresh_why = why
+        return None
 
     def _start_server(self, ctx, env: dict[str, str]) -> None:
         # The server inherits this process's environment when it starts: make it the ranks' for that moment.
@@ -144,6 +152,12 @@ def _rank_main(spec_path: str, env: dict[str, str], log_path: str, cwd: str) -> 
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    from benchmarks import rank_preload
+
+    if rank_preload.CUDA_INITIALISED:
+        raise RuntimeError(
+            f"the rank server initialised CUDA before forking this rank: run with {FRESH_RANKS_ENV}=1 and report it"
+        )
     from benchmarks.worker import main
 
     main([spec_path])  # ends the process (os._exit) with the worker's exit code

@@ -166,8 +166,10 @@ def run_suite(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> list[d
             res = run_job(spec, jobs_dir, timeout_s=cfg.timeout_s, link=link, ranks=ranks)
             results.append(res)
             status = "ok" if res["ok"] else ("UNAVAILABLE" if res["unavailable"] else "FAILED")
+            fresh = res.get("forked_ranks", spec.world_size) < spec.world_size and not link
             log(
                 f"[{spec.job_id}] {status} in {time.monotonic() - t0:.1f}s"
+                + (f" (ranks started fresh: {ranks.fresh_why})" if fresh else "")
                 + ("" if res["ok"] else f": {res['errors'][0][:300]}")
             )
             if not res["ok"]:

@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent(
                                                    cwd=Path.cwd()).wait(timeout=120) is not None
         report["other_threads_forked"] = server.start(spec, env=other_threads, log_path=out / "x.log",
                                                       cwd=Path.cwd()) is not None
+        report["why"] = server.fresh_why
         report["forked_total"] = server.forked
     print(json.dumps(report))
     """
@@ -55,6 +56,7 @@ def test_a_forked_rank_runs_the_worker_in_its_own_environment_and_other_settings
         "code": 1,  # the worker's exit code for a failed job
         "other_rank_forked": True,
         "other_threads_forked": False,
+        "why": "the job's environment differs from the rank server's in OMP_NUM_THREADS",
         "forked_total": 2,
     }
     # the rank read RANK=1 from the environment it was given, and named the mode in its result
@@ -70,4 +72,4 @@ def test_fresh_ranks_are_asked_for_through_the_environment(tmp_path, monkeypatch
     monkeypatch.setenv(FRESH_RANKS_ENV, "1")
     with RankServer() as server:
         assert server.start(tmp_path / "spec.json", env={}, log_path=tmp_path / "log", cwd=tmp_path) is None
-        assert server.forked == 0
+        assert server.forked == 0 and server.fresh_why == f"{FRESH_RANKS_ENV}=1"
