@@ -102,11 +102,11 @@ class RankServer:
         if os.environ.get(FRESH_RANKS_ENV) == "1":
             return self._fresh(f"{FRESH_RANKS_ENV}=1")
         ctx = multiprocessing.get_context("forkserver")
+        wanted = _import_env(env)
         if self._env is None:
             if _fork_server_running():
                 return self._fresh("this process already runs a multiprocessing fork server that other code started")
-            self._start_server(ctx, _import_env(env))
-        wanted = _import_env(env)
+            self._start_server(ctx, wanted)
         if wanted != self._env:
             differ = sorted(k for k in wanted.keys() | self._env.keys() if wanted.get(k) != self._env.get(k))
             return self._fresh(f"the job's environment differs from the rank server's in {', '.join(differ)}")

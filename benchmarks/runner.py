@@ -115,7 +115,7 @@ def run_job(
                 prefix = stack.enter_context(ShapedNamespace(link)).prefix()
             except LinkError as err:
                 return _link_failed(spec, job_dir, err)
-        return _run_ranks(spec, job_dir, spec_path, prefix=prefix, timeout_s=timeout_s, ranks=None if prefix else ranks)
+        return _run_ranks(spec, job_dir, spec_path, prefix=prefix, timeout_s=timeout_s, ranks=ranks)
 
 
 WORKER = ("-m", "benchmarks.worker")
