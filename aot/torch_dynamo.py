@@ -4,7 +4,7 @@ and what this torch offers of them and of the graph internals (`capabilities`, `
 
 The layers above (`ddp`, `compile_core`) reach Dynamo's and AOTAutograd's internals only through
 these functions and those of the other `aot/torch_*.py` homes. Each says which torch 2.13 file it mirrors;
-`tests/single/test_torch_internals.py` has one canary per function, failing with a message that names the
+`tests/single/test_torch_internals_dynamo.py` has one canary per function, failing with a message that names the
 function when torch changes. Public routes (`torch.compile`, `torch.compiler.reset`, `functorch.compile`) are
 used where torch 2.13 has one; what is here has none. The graphs Dynamo and AOTAutograd hand a backend
 (nested compile regions, gradient outputs, saved values) and the compiled autograd node are read and rewritten

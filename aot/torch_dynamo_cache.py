@@ -1,7 +1,7 @@
 """What the compile caches did during one compile: the private counters and records of AOTAutograd's
 and Inductor's caches, in one place (a home of private torch internals, like `aot/torch_dynamo.py`).
 
-Each function says which torch 2.13 file it mirrors; `tests/single/test_torch_internals.py` has its
+Each function says which torch 2.13 file it mirrors; `tests/single/test_torch_internals_dynamo.py` has its
 canary. `aot/torch_dynamo.py` holds Dynamo's and AOTAutograd's graph internals; this module only
 watches the caches.
 """

@@ -5,7 +5,7 @@ inputs on Dynamo's graph, and the compiled function's backward node.
 
 What the backends (`ddp="in_graph"`, the eager fallback, the pairing of forward and backward in
 aot/pairing.py) read and rewrite in those graphs. Each function says which torch 2.13 file it mirrors;
-`tests/single/test_torch_internals.py` has its canary. How a function is compiled, and Dynamo's other
+`tests/single/test_torch_internals_aot_graphs.py` has its canary. How a function is compiled, and Dynamo's other
 internals, are in `aot/torch_dynamo.py`.
 """
 

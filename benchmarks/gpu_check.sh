@@ -79,7 +79,7 @@ triton.__version__, torch.cuda.get_device_name(0)); import compile_core, ddp, ao
 print(\"our packages import\")'"
         ;;
     internals)
-        part internals 120 "$PY" -m pytest -q -p no:cacheprovider --timeout 100 -n 4 tests/single/test_torch_internals.py
+        part internals 120 "$PY" -m pytest -q -p no:cacheprovider --timeout 100 -n 4 tests/single/test_torch_internals_*.py
         ;;
     in_graph_cuda)
         part in_graph_cuda "${TESTS_LIMIT_S:-240}" env DDP_COMPILE_TEST_DEVICE=cuda "$PY" -m pytest -q -rfE \

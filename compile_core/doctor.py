@@ -3,7 +3,7 @@
 Prints the versions a bug report needs (Python, torch and its CUDA/NCCL builds, Triton), the devices, which
 `ddp=` modes and features work with this torch and why not where they do not (each torch home answers for its
 layer: `ddp/torch_ddp.py`, `aot/torch_dynamo.py`, `inductor/torch_inductor.py`), then runs the canaries of
-`tests/single/test_torch_internals.py` when the tests are next to the package (a built-in short check
+`tests/single/test_torch_internals_*.py` when the tests are next to the package (a built-in short check
 otherwise). Exits non-zero when a canary or the check fails. A CI job on a new runner calls it first.
 
     python -m compile_core.doctor            # everything (about 35 s of canaries on 2 CPU cores)
@@ -25,7 +25,8 @@ SUPPORTED = ("2.11", "2.12", "2.13", "2.14")
 """torch minor versions pyproject.toml allows (`torch>=2.11,<2.15`)."""
 TESTED = ("2.11.0", "2.13.0", "2.14.1")
 """Versions CI runs (`.ci/run`): the full suite on 2.13.0, canaries and `pytest -m compat` on the others."""
-CANARIES = Path(__file__).resolve().parents[1] / "tests" / "single" / "test_torch_internals.py"
+CANARIES = sorted((Path(__file__).resolve().parents[1] / "tests" / "single").glob("test_torch_internals_*.py"))
+"""The canary files, one per home or close group of homes (none when the tests are not next to the package)."""
 
 
 def versions() -> list[tuple[str, str]]:
@@ -107,15 +108,15 @@ def modes() -> list[tuple[str, str | None]]:
     return rows
 
 
-def run_canaries(path: Path, *, quick: bool, select: str | None) -> tuple[bool, str]:
-    """Run the canary file with pytest in a child process: (passed, its summary line)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)]
+def run_canaries(paths: list[Path], *, quick: bool, select: str | None) -> tuple[bool, str]:
+    """Run the canary files with pytest in one child process: (passed, its summary line)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, paths)]
     if quick:
         cmd += ["-m", "not inductor"]
     if select:
         cmd += ["-k", select]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run(cmd, cwd=path.parents[2], env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=paths[0].parents[2], env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
     summary = lines[-1] if lines else (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="skip the canaries that run Inductor's codegen")
     parser.add_argument("--no-canaries", action="store_true", help="versions and capabilities only")
     parser.add_argument("-k", dest="select", help="run only the canaries matching this pytest -k expression")
-    parser.add_argument("--canaries", type=Path, default=CANARIES, help=argparse.SUPPRESS)  # for its own test
+    parser.add_argument("--canaries", type=Path, nargs="+", default=CANARIES, help=argparse.SUPPRESS)  # its own test
     args = parser.parse_args(argv)
 
     print("== versions")
@@ -169,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     healthy = True
     if not args.no_canaries:
         start = time.perf_counter()
-        if args.canaries.is_file():
-            print(f"== canaries ({args.canaries})")
+        if args.canaries and all(path.is_file() for path in args.canaries):
+            print(f"== canaries ({args.canaries[0].parent}: {', '.join(path.name for path in args.canaries)})")
             healthy, summary = run_canaries(args.canaries, quick=args.quick, select=args.select)
         else:
             print("== built-in check (the canaries are not installed with the package)")

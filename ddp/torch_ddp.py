@@ -2,7 +2,7 @@
 collectives the in-graph all-reduce issues, in one place.
 
 A torch upgrade that renames or reshapes one of these breaks us here and nowhere else, and
-`tests/single/test_torch_internals.py` has one canary per function that fails with a message naming
+`tests/single/test_torch_internals_ddp.py` has one canary per function that fails with a message naming
 the function and the torch file it mirrors. Everything is read from torch 2.13's
 `torch/nn/parallel/distributed.py` (called `distributed.py` below) unless a function says otherwise.
 Public DDP API (`register_comm_hook`, `no_sync`, `process_group`, `bucket_bytes_cap`, ...) is used

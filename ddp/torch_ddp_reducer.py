@@ -4,7 +4,7 @@ reducer on our bucket layout (`install_reducer`), and an idle one that frees DDP
 (`release_reducer_buckets`).
 
 Everything is read from torch 2.13's `torch/nn/parallel/distributed.py` (called `distributed.py` below) and
-`reducer.cpp` unless a function says otherwise; `tests/single/test_torch_internals.py` has their canaries.
+`reducer.cpp` unless a function says otherwise; `tests/single/test_torch_internals_ddp.py` has their canaries.
 What we read of DDP without replacing anything (its parameters in the reducer's order, hooks, flags, the
 buckets its reducer holds) is in `ddp/torch_ddp.py`.
 """

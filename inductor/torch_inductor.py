@@ -3,7 +3,7 @@
 `list_options` / `list_mode_options` are documented next to `torch.compile`; `compile_fx` and
 `compile_fx_inner` (`torch/_inductor/compile_fx.py`) are Inductor's private entry points: the
 outer one runs AOTAutograd with Inductor's decompositions and partitioner, the inner one compiles
-one forward or backward graph. `tests/single/test_torch_internals.py` has a canary per function.
+one forward or backward graph. `tests/single/test_torch_internals_inductor.py` has a canary per function.
 """
 
 from __future__ import annotations
