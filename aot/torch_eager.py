@@ -1,10 +1,10 @@
 """The private parts of torch's eager objects that the compile stack reads, in one place (a home of private
 torch internals, like `aot/torch_dynamo.py`): a module's compiled call, operator overloads, pytree's
-flattening, the optimizer's step hooks.
+flattening, the optimizer's step hooks and its choice of implementation.
 
 These are how `nn.Module`, `torch._ops`, `torch.utils._pytree` and `torch.optim` work when nothing compiles;
 Dynamo's and AOTAutograd's own internals are in `aot/torch_dynamo.py` and `aot/torch_graphs.py`. Each
-function says which torch 2.13 file it mirrors; `tests/single/test_torch_internals.py` has one canary per
+function says which torch 2.13 file it mirrors; `tests/single/test_torch_internals_dynamo.py` has one canary per
 function.
 """
 
@@ -71,3 +71,16 @@ def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:
         + len(optim_module._global_optimizer_pre_hooks)
         + len(optim_module._global_optimizer_post_hooks)
     )
+
+
+def foreach_by_default(params: list[torch.Tensor]) -> bool:
+    """Whether torch's SGD, Adam and AdamW, left to choose (`foreach=None`, `fused=None`), take their
+    multi-tensor (`_foreach_*`) implementation for `params`: plain tensors all on a device with foreach
+    kernels (CUDA and other accelerators; never the CPU).
+
+    Mirrors `_default_to_fused_or_foreach` (`torch/optim/optimizer.py`), which those optimizers' functional
+    forms call with `use_fused=False`; there is no public way to ask.
+    """
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    return _default_to_fused_or_foreach(list(params), differentiable=False, use_fused=False)[1]

@@ -5,6 +5,8 @@ Note [Optimizer update per block]
 Background: torch's CPU optimizers loop over the parameters in Python, so Dynamo traces one copy of
 the update per parameter: for a 12-block transformer that is ~200 copies to trace, lower and
 generate, every run (Dynamo's tracing is never cached), and it dominated a compiled train step's first step.
+A `foreach` step (torch's default on CUDA) has no such loop to trace, and compiled whole it becomes a few
+horizontally fused kernels: it is compiled whole (compile_core/step/update.py: `multi_tensor_step`).
 
 Algorithm (`ChunkedUpdate`, for exactly SGD, Adam and AdamW: `optim_math.support`, as compile_core/in_backward/):
   * the parameters of each param group are cut into chunks (compile_core/step/chunk_plan.py): one per

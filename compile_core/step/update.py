@@ -8,7 +8,13 @@ breaks of the first update come from Dynamo's counters (torch's optimizers break
 the update, and a scheduler's wrapper around `optimizer.step` is a skipped frame, neither of which
 hands a graph to the backend). Compiles, recompiles and their reasons go to a `CompileEvents`.
 
-`ChunkedUpdate` (compile_core/step/chunked_update.py) stands in for it for SGD, Adam and AdamW.
+`ChunkedUpdate` (compile_core/step/chunked_update.py) stands in for it for SGD, Adam and AdamW when their
+step loops over the parameters one by one (torch's default on the CPU). When it is multi-tensor
+(`foreach`, torch's default on CUDA), the whole step is compiled, as `torch.compile(optimizer.step)`
+compiles it: Dynamo traces a few `_foreach_*` calls over all parameters (cheap, where the per-parameter
+loop is what chunking saves) and Inductor lowers each into horizontally fused kernels, a few launches per
+update where chunks make one compiled call per block and a kernel per parameter (`multi_tensor_step`;
+`fused=True` keeps the chunks: Dynamo does not trace fused kernels).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from aot.torch_dynamo import lookup_backend, watch_caches
-from aot.torch_eager import optimizer_step_hooks
+from aot.torch_eager import foreach_by_default, optimizer_step_hooks
 from compile_core.events import CompileEvents
 from compile_core.reuse.compile_once import say
 from compile_core.step.optim_math import support
@@ -105,4 +111,28 @@ def chunking_blocker(optimizer: torch.optim.Optimizer) -> str | None:
     hooks = optimizer_step_hooks(optimizer)
     if hooks:
         return f"the optimizer has {hooks} step hook(s), which only optimizer.step() calls"
+    multi = multi_tensor_step(optimizer)
+    if multi is not None:
+        return (
+            f"its step is multi-tensor ({multi}): compiled whole, as torch.compile(optimizer.step) does, "
+            "into a few horizontally fused kernels"
+        )
+    return None
+
+
+def multi_tensor_step(optimizer: torch.optim.Optimizer) -> str | None:
+    """Which param group makes the optimizer's own step a foreach (multi-tensor) one (`foreach=True`, or
+    neither `foreach` nor `fused` given on parameters where torch defaults to foreach), described; None when
+    no group does.
+
+    `fused=True` is not counted: Dynamo does not trace torch's fused kernels (the step would run eagerly
+    inside a compiled frame), so those groups keep the per-block update."""
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("fused"):
+            continue
+        if group.get("foreach"):
+            return f"param group {i} has foreach=True"
+        params = group["params"]
+        if group.get("foreach") is None and params and foreach_by_default(params):
+            return f"param group {i} on {params[0].device.type}, where torch's default is foreach"
     return None

@@ -61,6 +61,42 @@ def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
     assert "per block" in str(step.report())
 
 
+@pytest.mark.parametrize(
+    "make_opt, flag",
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True), "foreach=True"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True), "foreach=True"),
+    ],
+    ids=["adamw_foreach", "sgd_momentum_foreach"],
+)
+def test_a_multi_tensor_update_is_compiled_whole_like_torch_compile_of_the_step(make_opt, flag):
+    """foreach (torch's default on CUDA): the whole step is one graph of multi-tensor ops, as
+    torch.compile(optimizer.step) makes it, not one compiled call per block of single-tensor math."""
+    from tests.single.ddp_helpers import Blocks
+
+    def setup():
+        torch.manual_seed(0)
+        model = DDP(Blocks(width=16))
+        return model, make_opt(model.parameters())
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(4)]
+    model, opt = setup()
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    for x, y in data:
+        step(x, y)
+    ref_model, ref_opt = setup()
+    eager_ddp_run(ref_model, ref_opt, None, data)
+    assert_params_close(model, ref_model)
+    opt_report = step.report().to_dict()["optimizer"]
+    assert opt_report["compiled"] and not opt_report["per_block"], opt_report
+    assert f"param group 0 has {flag}" in opt_report["whole_step_reason"], opt_report
+    # one graph of the whole step (SGD's momentum buffers, created at update 1, recompile it once at update 2,
+    # as they do torch.compile(optimizer.step))
+    assert all(r["name"].startswith("update.graph_") for r in opt_report["graph_compiles"]), opt_report
+    assert [r for r in opt_report["recompiles"] if r["update"] > 2] == [], opt_report
+
+
 def _unused_setup(make, opt_name: str):
     """(module, DDP with find_unused_parameters=True, optimizer), the same for every call."""
     torch.manual_seed(0)

@@ -1,0 +1,253 @@
+"""Canaries of aot/torch_dynamo.py, aot/torch_eager.py and aot/torch_dynamo_cache.py: Dynamo's hooks, counters,
+errors and fake modes, a module's compiled call, the caches' outcomes (see tests/single/torch_internals_helpers.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from aot import torch_dynamo, torch_eager
+from inductor import torch_inductor
+from tests.single.torch_internals_helpers import canary
+
+pytestmark = pytest.mark.usefixtures("pg")
+
+
+# -- aot/torch_dynamo.py ----------------------------------------------------------------------------
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1 (2.11 has no isolate_recompiles: not passed there).
+def test_guard_hook_reports_the_reason_of_a_recompile():
+    with canary("aot/torch_dynamo.py:compile_with_guard_hook"):
+        failures: list[tuple[str, str]] = []
+        fn = torch_dynamo.compile_with_guard_hook(
+            lambda x: x * 2,
+            "eager",
+            on_guard_fail=lambda reason, where: failures.append((reason, where)),
+            dynamic=False,
+            isolate_recompiles=True,
+        )
+        fn(torch.randn(3))
+        fn(torch.randn(5))
+        assert failures and "size" in failures[0][0].lower(), failures
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_lookup_backend_and_restart_and_error_types():
+    with canary("aot/torch_dynamo.py:lookup_backend/RestartAnalysis/DynamoError"):
+        assert callable(torch_dynamo.lookup_backend("aot_eager"))
+        assert issubclass(torch_dynamo.RestartAnalysis, Exception)
+        assert issubclass(torch_dynamo.DynamoError, Exception)
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_a_modules_call_can_be_replaced_and_bypassed_like_module_compile_does():
+    with canary("aot/torch_eager.py:installed_compiled_call/install_compiled_call/call_uncompiled"):
+        compiled = nn.Linear(2, 2)
+        assert torch_eager.installed_compiled_call(compiled) is None
+        compiled.compile(backend="eager")
+        assert torch_eager.installed_compiled_call(compiled) is not None
+        module, hooked = nn.Linear(2, 2), []
+        module.register_forward_hook(lambda mod, args, out: hooked.append(out.shape))
+        torch_eager.install_compiled_call(module, lambda *args, **kwargs: "replaced")
+        assert torch_eager.installed_compiled_call(module) is not None
+        assert module(torch.randn(1, 2)) == "replaced" and hooked == []
+        x = torch.randn(3, 2)
+        torch.testing.assert_close(torch_eager.call_uncompiled(module, x), module.forward(x))
+        assert hooked == [torch.Size([3, 2])]  # hooks run, as in a plain call
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_operators_are_told_from_other_callables():
+    with canary("aot/torch_eager.py:is_op_overload"):
+        assert torch_eager.is_op_overload(torch.ops.aten.add.Tensor)
+        assert torch_eager.is_op_overload(torch.ops.aten.add)
+        assert torch_eager.is_op_overload(torch.ops.prims.convert_element_type.default)
+        assert str(torch.ops.aten.add.Tensor) == "aten.add.Tensor"
+        assert not torch_eager.is_op_overload(torch.add) and not torch_eager.is_op_overload(lambda x: x)
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_tree_leaves_flattens_outputs():
+    with canary("aot/torch_eager.py:tree_leaves"):
+        a, b = torch.zeros(1), torch.ones(1)
+        assert torch_eager.tree_leaves({"x": [a, (b, 3)], "y": None}) == [a, b, 3, None]
+
+
+def _graph_break_fn(x):
+    y = x + 1
+    torch._dynamo.graph_break()
+    return y * 2
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_outside_any_compile_makes_real_tensors_while_a_compile_is_in_progress():
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    in_progress = FakeTensorMode()
+    with canary("aot/torch_dynamo.py:outside_any_compile"):
+        with tracing(TracingContext(in_progress)), in_progress:
+            assert isinstance(torch.zeros(2), FakeTensor)  # what a rank waiting inside a backend would make
+            with torch_dynamo.outside_any_compile():
+                assert not isinstance(torch.zeros(2), FakeTensor) and TracingContext.try_get() is None
+            assert TracingContext.try_get() is not None and isinstance(torch.zeros(2), FakeTensor)
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_graph_break_is_readable_from_the_graph_and_the_counters():
+    with canary("aot/torch_dynamo.py:graph_break_of/break_counters"):
+        breaks = []
+        before = sum(torch_dynamo.break_counters().values())
+
+        def backend(gm, example_inputs):
+            breaks.append(torch_dynamo.graph_break_of(gm))
+            return gm.forward
+
+        torch.compile(_graph_break_fn, backend=backend)(torch.randn(2))
+        found = [b for b in breaks if b is not None]
+        assert found and "test_torch_internals_dynamo.py:" in found[0]["where"], breaks
+        assert sum(torch_dynamo.break_counters().values()) > before
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_fake_mode_and_hooks_while_a_backend_runs():
+    with canary("aot/torch_dynamo.py:fake_mode_of/is_fake/saved_tensors_hooks_disabled/aot_autograd_backend"):
+        seen = {}
+
+        def backend(gm, example_inputs):
+            fake = torch_dynamo.fake_mode_of(list(example_inputs))
+            seen["fake"] = torch_dynamo.is_fake(fake.from_tensor(torch.randn(2)))
+            with torch_dynamo.saved_tensors_hooks_disabled():
+                return torch_dynamo.aot_autograd_backend(
+                    fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward
+                )(gm, example_inputs)
+
+        w = torch.randn(4, requires_grad=True)
+        torch.compile(lambda x: (x * w).sum(), backend=backend)(torch.randn(4))
+        assert seen == {"fake": True}
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_non_lazy_backward_compiles_the_backward_with_the_forward():
+    with canary("aot/torch_dynamo.py:non_lazy_backward"):
+        compiled = []
+
+        def backend(gm, example_inputs):
+            with torch_dynamo.non_lazy_backward():
+                return torch_dynamo.aot_autograd_backend(
+                    fw_compiler=lambda g, i: compiled.append("fw") or g.forward,
+                    bw_compiler=lambda g, i: compiled.append("bw") or g.forward,
+                )(gm, example_inputs)
+
+        w = torch.randn(4, requires_grad=True)
+        torch.compile(lambda x: (x * w).sin().sum(), backend=backend)(torch.randn(4))
+        assert compiled == ["fw", "bw"]  # before any backward ran
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+@pytest.mark.inductor
+def test_watch_caches_reads_aot_and_fx_cache_outcomes(tmp_path, monkeypatch):
+    with canary("aot/torch_dynamo_cache.py:watch_caches"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        w = torch.randn(4, requires_grad=True)
+        unique = 1.0 + (hash(str(tmp_path)) % 10_000) / 1e5  # a graph no earlier run has cached
+        outcomes = []
+
+        def backend(gm, example_inputs):
+            with torch_dynamo.watch_caches() as outcome:
+                compiled = torch_inductor.compile_fx_with(
+                    gm, example_inputs, on_graph=lambda g, b: None, config_patches=None
+                )
+            outcomes.append(outcome)
+            return compiled
+
+        for _ in range(2):
+            torch._dynamo.reset()
+            torch.compile(lambda x: (x * w * unique).cos().sum(), backend=backend)(torch.randn(4)).backward()
+        assert [o.aot for o in outcomes] == ["miss", "hit"]
+        assert outcomes[0].fx_misses >= 1 and outcomes[1].describe() == "aot cache hit"
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+@pytest.mark.inductor
+def test_watch_caches_finds_why_the_aot_cache_was_bypassed(tmp_path, monkeypatch):
+    with canary("aot/torch_dynamo_cache.py:watch_caches (bypass)"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        w = torch.randn(4, requires_grad=True)
+        outcomes = []
+
+        def backend(gm, example_inputs):
+            with torch_dynamo.watch_caches() as outcome:
+                compiled = torch_inductor.compile_fx_with(
+                    gm, example_inputs, on_graph=lambda g, b: None, config_patches=None
+                )
+            outcomes.append(outcome)
+            return compiled
+
+        with torch._inductor.config.patch(freezing=True):  # AOTAutogradCache refuses frozen graphs
+            torch.compile(lambda x: (x * w * 1.5).cos().sum(), backend=backend)(torch.randn(4)).backward()
+        assert [o.aot for o in outcomes] == [torch_dynamo.AotCache.BYPASS], outcomes
+        assert outcomes[0].reason == "Cannot cache a graph with freezing enabled", outcomes
+        assert outcomes[0].describe().startswith("aot cache bypass (Cannot cache a graph with freezing enabled)")
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_optimizer_step_hooks_are_counted():
+    with canary("aot/torch_eager.py:optimizer_step_hooks"):
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+        assert torch_eager.optimizer_step_hooks(opt) == 0
+        handle = opt.register_step_pre_hook(lambda optimizer, args, kwargs: None)
+        assert torch_eager.optimizer_step_hooks(opt) == 1
+        handle.remove()
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None)
+        try:
+            assert torch_eager.optimizer_step_hooks(opt) == 1
+        finally:
+            handle.remove()
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_foreach_by_default_follows_torchs_choice_for_the_parameters_device(monkeypatch):
+    with canary("aot/torch_eager.py:foreach_by_default"):
+        params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]
+        assert torch_eager.foreach_by_default(params) is False  # the CPU loops over its parameters
+        # the choice is read from the devices torch has foreach kernels for (CUDA, ... ; never the CPU here)
+        from torch.optim import optimizer as optim_module
+
+        monkeypatch.setattr(optim_module, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+        assert torch_eager.foreach_by_default(params) is True
+        # only plain tensors: torch keeps subclasses on the per-parameter loop
+        assert torch_eager.foreach_by_default([torch.Tensor._make_subclass(_Sub, torch.zeros(2))]) is False
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_pytorch_ddp_optimizer_is_a_dynamo_config_value():
+    with canary("aot/torch_dynamo.py:pytorch_ddp_optimizer"):
+        with torch_dynamo.pytorch_ddp_optimizer():
+            assert torch._dynamo.config.optimize_ddp == "ddp_optimizer"
+
+
+class _OwnError(RuntimeError):
+    pass
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_an_error_raised_in_a_backend_is_found_inside_dynamos_wrapper():
+    with canary("aot/torch_dynamo.py:root_cause/cause_chain"):
+
+        def backend(gm, example_inputs):
+            raise _OwnError("ours")
+
+        with pytest.raises(torch_dynamo.DynamoError) as caught:
+            torch.compile(lambda x: x + 1, backend=backend)(torch.randn(2))
+        assert isinstance(torch_dynamo.root_cause(caught.value, _OwnError), _OwnError)
+        chain = torch_dynamo.cause_chain(caught.value)
+        assert chain[0] is caught.value and isinstance(chain[-1], _OwnError), chain
