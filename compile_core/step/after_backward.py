@@ -1,5 +1,5 @@
-"""The update paths that run after the backward: compiled (`CompiledPath`), eager (`EagerPath`), with a
-GradScaler (`ScalerPath`). Each is an `UpdatePath` (compile_core/step/update_path.py).
+"""The update paths that run after the backward: compiled (`CompiledPath`), eager (`EagerPath`), torch's fused
+step (`FusedStepPath`), with a GradScaler (`ScalerPath`). Each is an `UpdatePath` (compile_core/step/update_path.py).
 
 `CompiledPath` compiles clip + step at its first update, per repeated block (`ChunkedUpdate`, for SGD,
 Adam and AdamW) or as one `optimizer.step()` (`CompiledUpdate`, any optimizer; the hyperparameters pinned
@@ -49,6 +49,17 @@ class EagerPath:
 
     def report_fields(self) -> dict[str, Any]:
         return {"optimizer": optimizer_report(self.ctx, fallback=self.reason), "optimizer_in_backward": NOT_IN_BACKWARD}
+
+
+class FusedStepPath(EagerPath):
+    """clip + torch's fused `optimizer.step()`, uncompiled by choice (`reason`: `fused_step`'s)."""
+
+    def mode(self) -> str:
+        return "eager (fused)"
+
+    def report_fields(self) -> dict[str, Any]:
+        report = optimizer_report(self.ctx, fallback=None, as_is=self.reason)
+        return {"optimizer": report, "optimizer_in_backward": NOT_IN_BACKWARD}
 
 
 class ScalerPath(EagerPath):

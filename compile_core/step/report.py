@@ -13,7 +13,7 @@ class OptimizerReport:
     optimizer: str
     """Class name of the optimizer."""
     compiled: bool = True
-    """False once the update fell back to eager (see fallback_error)."""
+    """False when the update runs eagerly: fallen back (see fallback_error) or by choice (see as_is)."""
     graphs: int = 0
     """Graphs handed to the backend for the update, over all compiles."""
     recompiles: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -31,6 +31,8 @@ class OptimizerReport:
     graph_compiles: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """One per compiled or reused update graph: `name`, `cache`, `seconds`, `reused_from`, and (per block)
     `ahead`: compiled before update 1, on stand-ins, while this rank waited for another's compile."""
+    as_is: str | None = None
+    """Why the update is torch's own `optimizer.step()`, not compiled by choice (`fused=True`), or None."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +46,7 @@ class OptimizerReport:
             "per_block": self.per_block,
             "whole_step_reason": self.whole_step_reason,
             "graph_compiles": [{**r, "seconds": round(r["seconds"], 4)} for r in self.graph_compiles],
+            "as_is": self.as_is,
         }
 
 
@@ -107,6 +110,8 @@ class TrainStepReport:
         d = self.to_dict()
         opt = d["optimizer"]
         status = "compiled" if opt["compiled"] else f"EAGER (fallback: {opt['fallback_error']})"
+        if opt["as_is"] is not None:
+            status = f"torch's own step ({opt['as_is']})"
         rows = [
             ("part", "compile s", "graphs", "recompiles"),
             (

@@ -33,8 +33,10 @@ Note (design):
        `optimizer.state_dict()` turns those tensors back into floats (and restores flags we had
        to change), so checkpoints stay in the user's format and load into a plain eager optimizer.
        If the update cannot be compiled, it runs eagerly from then on and the report says why. With
-       a GradScaler it runs eagerly; with `optimizer_in_backward=True` inside the compiled backward
-       (compile_core/in_backward/). After the update: `zero_grad(set_to_none=True)`, the scheduler.
+       a GradScaler it runs eagerly; with every param group `fused=True`, torch's fused step runs as
+       it is (one launch per device and dtype already; Dynamo does not trace it); with
+       `optimizer_in_backward=True` inside the compiled backward (compile_core/in_backward/).
+       After the update: `zero_grad(set_to_none=True)`, the scheduler.
 
     What Dynamo makes of `optimizer.step()` (torch 2.13): torch's optimizers break the graph on
     purpose around the update (so AOTAutograd sees a no-grad graph), and a scheduler's wrapper
@@ -63,11 +65,12 @@ from torch.nn.parallel import DistributedDataParallel
 from compile_core import progress
 from compile_core.events import CompileEvents
 from compile_core.in_backward import InBackwardPath
-from compile_core.step.after_backward import CompiledPath, ScalerPath
+from compile_core.step.after_backward import CompiledPath, FusedStepPath, ScalerPath
 from compile_core.step.checks import NO_TARGET, check_inputs, check_loss, split_args
 from compile_core.step.config import TrainStepConfig
 from compile_core.step.hyperparams import HyperparamPins
 from compile_core.step.report import OptimizerReport, TrainStepReport
+from compile_core.step.update import fused_step
 from compile_core.step.update_path import EagerMicroBatch, UpdateContext, UpdatePath
 
 logger = logging.getLogger(__name__)
@@ -221,7 +224,12 @@ class TrainStep:
 
 def make_update_path(context: UpdateContext) -> UpdatePath:
     """The one place a step's update path is chosen (compile_core/step/update_path.py lists them)."""
-    after = ScalerPath(context) if context.grad_scaler is not None else CompiledPath(context)
+    if context.grad_scaler is not None:
+        after: UpdatePath = ScalerPath(context)
+    elif (fused := fused_step(context.optimizer)) is not None:
+        after = FusedStepPath(context, fused)
+    else:
+        after = CompiledPath(context)
     if context.config.optimizer_in_backward:
         return InBackwardPath(context, after)  # compile_core/in_backward/
     return after

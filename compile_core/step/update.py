@@ -13,8 +13,8 @@ step loops over the parameters one by one (torch's default on the CPU). When it 
 (`foreach`, torch's default on CUDA), the whole step is compiled, as `torch.compile(optimizer.step)`
 compiles it: Dynamo traces a few `_foreach_*` calls over all parameters (cheap, where the per-parameter
 loop is what chunking saves) and Inductor lowers each into horizontally fused kernels, a few launches per
-update where chunks make one compiled call per block and a kernel per parameter (`multi_tensor_step`;
-`fused=True` keeps the chunks: Dynamo does not trace fused kernels).
+update where chunks make one compiled call per block and a kernel per parameter (`multi_tensor_step`).
+With `fused=True` in every group, torch's fused step runs as it is (`fused_step`, compile_core/step/train.py).
 """
 
 from __future__ import annotations
@@ -120,13 +120,29 @@ def chunking_blocker(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def fused_step(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the update should be torch's own fused step, uncompiled (every param group has `fused=True`), or None.
+
+    A fused step is already one kernel launch (a few for many tensors) per device and dtype, the fewest any
+    compile reaches; Dynamo does not trace it (torch marks it so), and `torch.compile(optimizer.step)` runs it
+    as is too. Per-block compiled math in its place would launch a kernel per parameter."""
+    groups = optimizer.param_groups
+    if support(optimizer) is not None or not groups or not all(g.get("fused") for g in groups):
+        return None
+    return (
+        "fused=True: torch's fused kernel updates each device's and dtype's parameters in one launch, "
+        "and Dynamo does not trace it"
+    )
+
+
 def multi_tensor_step(optimizer: torch.optim.Optimizer) -> str | None:
     """Which param group makes the optimizer's own step a foreach (multi-tensor) one (`foreach=True`, or
     neither `foreach` nor `fused` given on parameters where torch defaults to foreach), described; None when
     no group does.
 
     `fused=True` is not counted: Dynamo does not trace torch's fused kernels (the step would run eagerly
-    inside a compiled frame), so those groups keep the per-block update."""
+    inside a compiled frame). When every group is fused, `fused_step` keeps torch's step; fused groups
+    beside others keep the per-block update."""
     for i, group in enumerate(optimizer.param_groups):
         if group.get("fused"):
             continue

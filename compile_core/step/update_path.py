@@ -6,6 +6,7 @@ A `TrainStep` holds one update path, chosen once by `make_update_path` (compile_
   block (`ChunkedUpdate`, SGD/Adam/AdamW) or as one `optimizer.step()` (`CompiledUpdate`); a compile that
   fails hands over to an `EagerPath` for good, and the report says why;
 * `EagerPath` (after_backward.py): clip + `optimizer.step()` eagerly, after a failed compile;
+* `FusedStepPath` (after_backward.py, every param group `fused=True`): clip + torch's fused step as it is;
 * `ScalerPath` (after_backward.py, `grad_scaler=`): unscale, clip, `grad_scaler.step` / `update`, eagerly;
 * `InBackwardPath` (compile_core/in_backward/, `optimizer_in_backward=True`): the update inside the
   compiled backward, around one of the above.
@@ -100,13 +101,15 @@ def optimizer_report(
     per_block: bool = False,
     whole_step_reason: str | None = None,
     graph_compiles: list[dict[str, Any]] | None = None,
+    as_is: str | None = None,
 ) -> OptimizerReport:
-    """The report of the update after the backward (`fallback`: why it runs eagerly, None: compiled)."""
+    """The report of the update after the backward (`fallback`: why it runs eagerly, None: compiled; `as_is`:
+    why it is torch's own step by choice)."""
     events = ctx.events
     with events.lock:
         return OptimizerReport(
             optimizer=type(ctx.optimizer).__name__,
-            compiled=fallback is None,
+            compiled=fallback is None and as_is is None,
             graphs=events.graphs,
             recompiles=[{k: v for k, v in r.items() if k != "where"} for r in events.recompiles],
             compile_seconds=events.compile_seconds,
@@ -115,4 +118,5 @@ def optimizer_report(
             per_block=per_block,
             whole_step_reason=whole_step_reason,
             graph_compiles=[dict(r) for r in graph_compiles or []],
+            as_is=as_is,
         )

@@ -97,6 +97,33 @@ def test_a_multi_tensor_update_is_compiled_whole_like_torch_compile_of_the_step(
     assert [r for r in opt_report["recompiles"] if r["update"] > 2] == [], opt_report
 
 
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_a_fused_optimizer_keeps_torchs_fused_step_and_says_so(opt_cls):
+    """fused=True: torch's fused kernel is already one launch per device and dtype, and Dynamo does not trace
+    it; the update is that step, not per-block compiled math (a kernel per parameter), and the report says so."""
+    kwargs = {"momentum": 0.9} if opt_cls is torch.optim.SGD else {"weight_decay": 0.1}
+
+    def setup():
+        torch.manual_seed(0)
+        model = DDP(tiny_model())
+        return model, opt_cls(model.parameters(), lr=1e-2, fused=True, **kwargs)
+
+    data = batches(4)
+    model, opt = setup()
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND, clip_grad_norm=0.5)
+    for x, y in data:
+        step(x, y)
+    ref_model, ref_opt = setup()
+    eager_ddp_run(ref_model, ref_opt, None, data, clip=0.5)
+    assert_params_close(model, ref_model)
+    report = step.report().to_dict()
+    opt_report = report["optimizer"]
+    assert "fused=True" in (opt_report["as_is"] or ""), opt_report
+    assert not opt_report["compiled"] and opt_report["fallback_error"] is None and not opt_report["per_block"]
+    assert opt_report["graphs"] == 0 and report["fallbacks"] == [], report["fallbacks"]
+    assert "torch's own step (fused=True" in str(step.report())
+
+
 def _unused_setup(make, opt_name: str):
     """(module, DDP with find_unused_parameters=True, optimizer), the same for every call."""
     torch.manual_seed(0)
