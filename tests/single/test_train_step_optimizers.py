@@ -30,13 +30,15 @@ from tests.single.train_step_helpers import (
 )
 
 
-def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
+def _blocks_trained_like_eager(make_opt):
+    """Four identical blocks trained 4 updates by train_step with `make_opt(params)`, checked against eager DDP;
+    returns the step."""
     from tests.single.ddp_helpers import Blocks
 
     def setup():
         torch.manual_seed(0)
         model = DDP(Blocks(width=16))
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        return model, make_opt(model.parameters())
 
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(4)]
@@ -47,6 +49,11 @@ def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
     ref_model, ref_opt = setup()
     eager_ddp_run(ref_model, ref_opt, None, data)
     assert_params_close(model, ref_model)
+    return step
+
+
+def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
+    step = _blocks_trained_like_eager(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
     opt_report = step.report().to_dict()["optimizer"]
     assert opt_report["compiled"] and opt_report["per_block"] and opt_report["recompiles"] == [], opt_report
     chunks = {r["name"]: r for r in opt_report["graph_compiles"]}
@@ -72,22 +79,7 @@ def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
 def test_a_multi_tensor_update_is_compiled_whole_like_torch_compile_of_the_step(make_opt, flag):
     """foreach (torch's default on CUDA): the whole step is one graph of multi-tensor ops, as
     torch.compile(optimizer.step) makes it, not one compiled call per block of single-tensor math."""
-    from tests.single.ddp_helpers import Blocks
-
-    def setup():
-        torch.manual_seed(0)
-        model = DDP(Blocks(width=16))
-        return model, make_opt(model.parameters())
-
-    g = torch.Generator().manual_seed(3)
-    data = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(4)]
-    model, opt = setup()
-    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
-    for x, y in data:
-        step(x, y)
-    ref_model, ref_opt = setup()
-    eager_ddp_run(ref_model, ref_opt, None, data)
-    assert_params_close(model, ref_model)
+    step = _blocks_trained_like_eager(make_opt)
     opt_report = step.report().to_dict()["optimizer"]
     assert opt_report["compiled"] and not opt_report["per_block"], opt_report
     assert f"param group 0 has {flag}" in opt_report["whole_step_reason"], opt_report
