@@ -121,13 +121,16 @@ def chunking_blocker(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def fused_step(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why the update should be torch's own fused step, uncompiled (every param group has `fused=True`), or None.
+    """Why the update should be torch's own fused step, uncompiled (a torch optimizer whose every param group
+    has `fused=True`: Adam, AdamW, SGD, Adagrad), or None.
 
     A fused step is already one kernel launch (a few for many tensors) per device and dtype, the fewest any
     compile reaches; Dynamo does not trace it (torch marks it so), and `torch.compile(optimizer.step)` runs it
-    as is too. Per-block compiled math in its place would launch a kernel per parameter."""
+    as is too. Compiled in its place: per-block math, a kernel per parameter (SGD/Adam/AdamW), or a whole-step
+    compile that captures nothing and falls back (the others)."""
     groups = optimizer.param_groups
-    if support(optimizer) is not None or not groups or not all(g.get("fused") for g in groups):
+    torch_own = type(optimizer).__module__.startswith("torch.optim.")
+    if not torch_own or not groups or not all(g.get("fused") for g in groups):
         return None
     return (
         "fused=True: torch's fused kernel updates each device's and dtype's parameters in one launch, "

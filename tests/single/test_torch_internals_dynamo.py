@@ -146,6 +146,20 @@ def test_non_lazy_backward_compiles_the_backward_with_the_forward():
         assert compiled == ["fw", "bw"]  # before any backward ran
 
 
+def _inductor_recording_cache_outcomes(outcomes: list):
+    """A backend that compiles with Inductor and appends each compile's cache outcome to `outcomes`."""
+
+    def backend(gm, example_inputs):
+        with torch_dynamo.watch_caches() as outcome:
+            compiled = torch_inductor.compile_fx_with(
+                gm, example_inputs, on_graph=lambda g, b: None, config_patches=None
+            )
+        outcomes.append(outcome)
+        return compiled
+
+    return backend
+
+
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 @pytest.mark.inductor
 def test_watch_caches_reads_aot_and_fx_cache_outcomes(tmp_path, monkeypatch):
@@ -154,15 +168,7 @@ def test_watch_caches_reads_aot_and_fx_cache_outcomes(tmp_path, monkeypatch):
         w = torch.randn(4, requires_grad=True)
         unique = 1.0 + (hash(str(tmp_path)) % 10_000) / 1e5  # a graph no earlier run has cached
         outcomes = []
-
-        def backend(gm, example_inputs):
-            with torch_dynamo.watch_caches() as outcome:
-                compiled = torch_inductor.compile_fx_with(
-                    gm, example_inputs, on_graph=lambda g, b: None, config_patches=None
-                )
-            outcomes.append(outcome)
-            return compiled
-
+        backend = _inductor_recording_cache_outcomes(outcomes)
         for _ in range(2):
             torch._dynamo.reset()
             torch.compile(lambda x: (x * w * unique).cos().sum(), backend=backend)(torch.randn(4)).backward()
@@ -177,15 +183,7 @@ def test_watch_caches_finds_why_the_aot_cache_was_bypassed(tmp_path, monkeypatch
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
         w = torch.randn(4, requires_grad=True)
         outcomes = []
-
-        def backend(gm, example_inputs):
-            with torch_dynamo.watch_caches() as outcome:
-                compiled = torch_inductor.compile_fx_with(
-                    gm, example_inputs, on_graph=lambda g, b: None, config_patches=None
-                )
-            outcomes.append(outcome)
-            return compiled
-
+        backend = _inductor_recording_cache_outcomes(outcomes)
         with torch._inductor.config.patch(freezing=True):  # AOTAutogradCache refuses frozen graphs
             torch.compile(lambda x: (x * w * 1.5).cos().sum(), backend=backend)(torch.randn(4)).backward()
         assert [o.aot for o in outcomes] == [torch_dynamo.AotCache.BYPASS], outcomes

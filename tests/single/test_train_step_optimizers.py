@@ -89,7 +89,7 @@ def test_a_multi_tensor_update_is_compiled_whole_like_torch_compile_of_the_step(
     assert [r for r in opt_report["recompiles"] if r["update"] > 2] == [], opt_report
 
 
-@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])
 def test_a_fused_optimizer_keeps_torchs_fused_step_and_says_so(opt_cls):
     """fused=True: torch's fused kernel is already one launch per device and dtype, and Dynamo does not trace
     it; the update is that step, not per-block compiled math (a kernel per parameter), and the report says so."""
