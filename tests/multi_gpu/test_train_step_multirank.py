@@ -2,7 +2,9 @@
 
 AdamW + cosine schedule + accum_steps=2, 4 optimizer updates (8 micro-batches per rank, different
 data on each rank): the parameters must equal an eager-DDP reference run in the same processes, be
-identical across ranks, and DDP must all-reduce once per update, not once per micro-batch.
+identical across ranks, and DDP must all-reduce once per update, not once per micro-batch. AdamW as the
+user leaves it (per block on the CPU), with foreach=True (compiled whole, CUDA's default) and with fused=True
+(torch's fused step as it is).
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ ACCUM = 2
 UPDATES = 4
 
 
-def _setup():
+IMPLEMENTATIONS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+"""AdamW's implementation flag, per test id."""
+
+
+def _setup(impl: str):
     import torch
     import torch.nn as nn
 
     torch.manual_seed(0)
     inner = to_rank_device(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)))
     model = wrap_ddp(inner)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, **IMPLEMENTATIONS[impl])
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=UPDATES, eta_min=1e-4)
     return model, opt, sched
 
@@ -40,7 +46,7 @@ def _counting_allreduce(state, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def _rank_fn(rank: int, world_size: int, backend: str):
+def _rank_fn(rank: int, world_size: int, backend: str, impl: str):
     import torch
     import torch.nn.functional as F
 
@@ -51,14 +57,14 @@ def _rank_fn(rank: int, world_size: int, backend: str):
         [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(ACCUM * UPDATES)]
     )
 
-    model, opt, sched = _setup()
+    model, opt, sched = _setup(impl)
     initial = [p.detach().cpu().numpy().copy() for p in model.parameters()]
     count = _Count()
     model.register_comm_hook(count, _counting_allreduce)
     step = train_step(model, opt, F.mse_loss, backend=backend, accum_steps=ACCUM, lr_scheduler=sched)
     losses = [step(x, y) for x, y in data]
 
-    ref, ref_opt, ref_sched = _setup()
+    ref, ref_opt, ref_sched = _setup(impl)
     ref_count = _Count()
     ref.register_comm_hook(ref_count, _counting_allreduce)
     for i, (x, y) in enumerate(data):
@@ -86,14 +92,19 @@ def _rank_fn(rank: int, world_size: int, backend: str):
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.compat
 @pytest.mark.timeout(300)
-def test_adamw_cosine_accumulation_matches_eager_ddp_on_two_ranks():
-    results = run_ranks(_rank_fn, "aot_eager", world_size=2, timeout=240)
+@pytest.mark.parametrize("impl", [pytest.param("default", marks=pytest.mark.compat), "foreach", "fused"])
+def test_adamw_cosine_accumulation_matches_eager_ddp_on_two_ranks(impl):
+    results = run_ranks(_rank_fn, "aot_eager", impl, world_size=2, timeout=240)
 
     for rank, r in enumerate(results):
         assert r["updates"] == UPDATES
-        assert r["optimizer"]["compiled"], (rank, r["optimizer"])
+        if impl == "fused":
+            assert "fused=True" in (r["optimizer"]["as_is"] or "") and r["optimizer"]["graphs"] == 0, r["optimizer"]
+        else:
+            assert r["optimizer"]["compiled"], (rank, r["optimizer"])
+        if impl == "foreach":
+            assert "foreach=True" in r["optimizer"]["whole_step_reason"], r["optimizer"]
         assert [x for x in r["optimizer"]["recompiles"] if x["update"] > 2] == [], r["optimizer"]["recompiles"]
         assert r["lr"] == pytest.approx(r["ref_lr"], rel=1e-9)
         assert any(not np.array_equal(p, q) for p, q in zip(r["params"], r["initial"])), "training changed nothing"
