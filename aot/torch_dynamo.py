@@ -201,6 +201,26 @@ def fake_mode_of(example_inputs: list) -> Any:
     return detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
 
 
+def static_example(fake_mode: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as an example input added beside Dynamo's (`fake_mode`: theirs, from `detect_fake_mode`, or
+    None): a fake tensor of that mode with static shapes.
+
+    AOTAutograd fakeifies a real example with a fresh size symbol per dimension and no source
+    (`_aot_autograd/frontend_utils.py: process_inputs`); a guard on such a symbol (the bound of an index
+    into it) then fails when Dynamo builds its guards ("sources must not be empty for symbol"). An added
+    input has the same shape at every call, so a static fake is also the truth."""
+    if fake_mode is None or isinstance(tensor, torch._subclasses.FakeTensor):
+        return tensor
+    return fake_mode.from_tensor(tensor, static_shapes=True)
+
+
+def traced_fake_mode(example_inputs: list) -> Any:
+    """The FakeTensorMode Dynamo traced `example_inputs` with, or None (real inputs: no trace)."""
+    from torch._dynamo.utils import detect_fake_mode
+
+    return detect_fake_mode(example_inputs)
+
+
 def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:
     """Dynamo's guard against user saved-tensor hooks while a backend traces (`_dynamo/utils.py`)."""
     return torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()

@@ -158,7 +158,7 @@ class StepClock:
 
 
 def summarize_steps(per_step: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """First-step breakdown, plus compile seconds in later warm-up steps (variant compiles, optimizer
+    """First- and second-step breakdowns, plus compile seconds in later warm-up steps (variant compiles, optimizer
     recompiles) and in the timed steps (should be 0: a compile there is a steady-state recompile)."""
     if not per_step:
         return {}
@@ -166,6 +166,8 @@ def summarize_steps(per_step: list[dict[str, Any]], warmup: int) -> dict[str, An
     timed = per_step[warmup:]
     return {
         "first_step": per_step[0],
+        # the in-backward update compiles its graph at step 2: where that step's seconds go
+        "second_step": per_step[1] if len(per_step) > 1 else None,
         "later_warmup_compile_s": sum(s["compile_s"] for s in later),
         "later_warmup_graphs": sum(s["graphs"] for s in later),
         "timed_compile_s": sum(s["compile_s"] for s in timed),

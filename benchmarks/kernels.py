@@ -30,7 +30,8 @@ compute op: guards, wrappers, checks). `graph_calls` counts `## Call CompiledFxG
 Inductor graph called: forward, backward or optimizer), `regions` the Dynamo frames entered
 (`Torch-Compiled Region`), `scalar_reads` the `aten::_local_scalar_dense` calls (`.item()`: a device sync when
 the tensor is on the GPU; on the CPU it cannot be told from a read of a CPU tensor such as the optimizer's step
-count), and on a GPU `syncs` the host's CUDA synchronize calls inside the step.
+count), and on a GPU `syncs` the host's CUDA synchronize calls inside the step. `host_ops` counts the
+host's `aten::` ops in the step (nested ones included) and `host_top` names the most frequent.
 """
 
 from __future__ import annotations
@@ -159,6 +160,8 @@ def step_kernel_stats(events: Sequence[Event]) -> list[dict[str, Any]]:
             "scalar_reads": sum(e.name == SCALAR_READ for e in host),
             "lead_ms": None,
         }
+        row["host_ops"] = sum(e.name.startswith("aten::") for e in host)
+        row["host_top"] = _top_host_ops(host)
         if traced_gpu:
             mine = [e for e in kernels_all if lo <= e.start_us < hi]
             copies = [e for e in events if _is_device(e) and _is_copy(e) and lo <= e.start_us < hi]
@@ -197,7 +200,18 @@ def _top(kernels: Sequence[Event], n: int = 8) -> list[dict[str, Any]]:
     return [{"name": name[:90], "calls": calls[name], "ms": round(ms[name], 3)} for name in names]
 
 
+def _top_host_ops(host: Sequence[Event], n: int = 12) -> list[list[Any]]:
+    """The n host op names called most often in the step ([name, calls]): where two modes that launch the
+    same kernels differ in host time, the extra ops name the cause."""
+    calls: dict[str, int] = defaultdict(int)
+    for e in host:
+        if e.name.startswith("aten::") or e.name.startswith(REGION) or e.name.startswith(GRAPH_CALL):
+            calls[e.name[:60]] += 1
+    return [[name, calls[name]] for name in sorted(calls, key=lambda name: -calls[name])[:n]]
+
+
 SUMMED = (
+    "host_ops",
     "host_ms",
     "lead_ms",
     "graph_calls",
@@ -223,5 +237,6 @@ def summarize_kernels(events: Sequence[Event]) -> dict[str, Any]:
         if values:
             out[key] = statistics.median(values)
     out["top"] = steps[-1]["top"]
-    out["per_step"] = [{k: v for k, v in s.items() if k != "top"} for s in steps]
+    out["host_top"] = steps[-1]["host_top"]
+    out["per_step"] = [{k: v for k, v in s.items() if k not in ("top", "host_top")} for s in steps]
     return out

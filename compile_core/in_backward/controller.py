@@ -131,6 +131,7 @@ class InBackwardController:
             return False
         outcome = self.reducer.step_outcome()
         if outcome.hook_ran:
+            self.updates.advance_steps(outcome.used_up)
             self.updates_in_backward += 1
             return True
         self._stop(outcome.hook_reason or "the compiled graph did not update the parameters")

@@ -2,9 +2,10 @@
 
 For each graph the reducer compiles in an update variant, `for_graph` (ddp/in_graph/hooks.py:
 `BackwardHook`) adds the graph's extra inputs, each with an example for the compile and a producer
-called at every run: per updated parameter its optimizer state tensors and its row of scalars
-(compile_core/in_backward/optimizer.py), and with clipping the 0-dim tensor that receives the total
-norm. It returns the `SplicedUpdates` (compile_core/in_backward/splice.py) the graph pass places.
+called at every run: per updated parameter its optimizer state tensors, per param group and device one
+table of scalars, a row per parameter (compile_core/in_backward/optimizer.py), and with clipping the 0-dim
+tensor that receives the total norm. It returns the `SplicedUpdates` (compile_core/in_backward/splice.py)
+the graph pass places.
 """
 
 from __future__ import annotations
@@ -52,25 +53,28 @@ class UpdatesHook:
         skipped = tuple(graph.names.get(id(params[i]), "?") for i in indices if i not in templates)
         if not templates:
             return HookedGraph(None, skipped=skipped, reason="no parameter of this graph has an update yet")
-        hyper_inputs: dict[Any, int] = {}
+        tables: dict[Any, int] = {}  # one input per scalar table (group, device), shared by its parameters
         role_inputs: dict[int, tuple[int, ...]] = {}
+        rows: dict[int, int] = {}
         for i, template in templates.items():
             param = params[i]
             roles = [
                 inputs.add(torch.zeros_like(t), lambda p=param, t=template, k=k: provider.states(p, t)[k])
                 for k, t in enumerate(provider.states(param, template))
             ]
-            for k, (key, tensor) in enumerate(provider.hypers(param, template)):
-                if key not in hyper_inputs:
-                    hyper_inputs[key] = inputs.add(
-                        tensor.detach().clone(), lambda p=param, t=template, k=k: provider.hypers(p, t)[k][1]
-                    )
-                roles.append(hyper_inputs[key])
+            key, table, rows[i] = provider.scalar_table(param)
+            if key not in tables:
+                tables[key] = inputs.add(table.detach().clone(), lambda p=param: provider.scalar_table(p)[1])
+            roles.append(tables[key])
             role_inputs[i] = tuple(roles)
         norm_input = None
         if provider.clip_max_norm is not None and provider.norm is not None:
             norm_input = inputs.add(torch.zeros_like(provider.norm), lambda: provider.norm)
         spec = UpdateSpec(
-            templates=templates, role_inputs=role_inputs, clip_max_norm=provider.clip_max_norm, norm_input=norm_input
+            templates=templates,
+            role_inputs=role_inputs,
+            scalar_rows=rows,
+            clip_max_norm=provider.clip_max_norm,
+            norm_input=norm_input,
         )
         return HookedGraph(SplicedUpdates(spec), consumed=frozenset(templates), skipped=skipped)

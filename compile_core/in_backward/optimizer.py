@@ -2,7 +2,8 @@
 
 `OptimizerInBackward` captures one update graph per (param group, dtype, device) after update 1 (see
 Note [Optimizer update inside the backward] in compile_core/in_backward/__init__.py) and hands out, per
-update, each parameter's live state tensors and its row of scalars (compile_core/step/optim_math.py).
+update, each parameter's live state tensors and its row in its group's table of scalars
+(compile_core/step/optim_math.py); after a backward that updated, it advances the step counts.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class OptimizerInBackward:
         self._templates: dict[tuple[int, torch.dtype, torch.device], UpdateTemplate] = {}
         self._group_of: dict[int, int] = {}
         self._baked: list[tuple] = []
-        self._rows: dict[int, torch.Tensor] = {}  # per parameter: this update's scalars (optim_math)
+        self._members: dict[tuple[int, torch.device], list[torch.nn.Parameter]] = {}
+        """Per (group, device): its parameters at `prepare`, in group order (a row each in the table)."""
+        self._slot: dict[int, tuple[tuple[int, torch.device], int]] = {}  # param id -> (table key, row)
+        self._tables: dict[tuple[int, torch.device], torch.Tensor] = {}  # this update's scalar rows, per key
         self._with_state: list[torch.nn.Parameter] = []  # the parameters that had optimizer state at `prepare`
         self._state_watch = optim_math.StateWatch(optimizer)  # marked at `prepare` and while nothing is lost
 
@@ -44,9 +48,13 @@ class OptimizerInBackward:
         """Capture one template per (group, dtype, device) that has a parameter with optimizer state
         (update 1 ran and created it; plain SGD keeps none)."""
         self._baked = [_flags(self.optimizer, g) for g in self.optimizer.param_groups]
+        self._members, self._slot = {}, {}
         for index, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 self._group_of[id(p)] = index
+                members = self._members.setdefault((index, p.device), [])
+                self._slot[id(p)] = ((index, p.device), len(members))
+                members.append(p)
                 key = (index, p.dtype, p.device)
                 if key not in self._templates and self._ready(p, group):
                     self._templates[key] = self._capture(group, p)
@@ -69,21 +77,35 @@ class OptimizerInBackward:
         return lost
 
     def refresh(self) -> None:
-        """This update's scalars for every parameter that has an update (before its forward)."""
-        for index, group in enumerate(self.optimizer.param_groups):
-            ready = [
-                p for p in group["params"] if (index, p.dtype, p.device) in self._templates and self._ready(p, group)
-            ]
-            if not ready:
-                continue
-            steps = (
-                optim_math.next_steps([self.optimizer.state[p]["step"] for p in ready])
-                if optim_math.is_adam(self.optimizer)
-                else [0.0] * len(ready)
-            )
-            rows = optim_math.scalars(self.optimizer, group, steps, ready[0].device)
-            for p, row in zip(ready, rows):
-                self._rows[id(p)] = row
+        """This update's table of scalars per (group, device), a row per parameter (before its forward).
+
+        One table per group and device, not a row per parameter: every row is an input of the compiled
+        graph, and each input costs host time at every call (a producer, a size check, AOT's wrapper).
+        A parameter without state (no update here) gets the row of step 1, unread."""
+        adam = optim_math.is_adam(self.optimizer)
+        for (index, device), members in self._members.items():
+            group = self.optimizer.param_groups[index]
+            if adam:
+                state = self.optimizer.state
+                counted = [i for i, p in enumerate(members) if "step" in state.get(p, ())]
+                known = optim_math.next_steps([state[members[i]]["step"] for i in counted])
+                steps = [1.0] * len(members)
+                for i, s in zip(counted, known):
+                    steps[i] = s
+            else:
+                steps = [0.0] * len(members)
+            self._tables[(index, device)] = optim_math.scalars(self.optimizer, group, steps, device)
+
+    def advance_steps(self, updated: frozenset[int]) -> None:
+        """After a backward that updated the parameters with these ids: their step counts + 1, as torch's
+        step does, in one foreach op (on the host, not in the graph: a 0-dim CPU input per parameter
+        would cost the compiled graph an input each, and its device kernels cannot write them)."""
+        if not optim_math.is_adam(self.optimizer) or not updated:
+            return
+        state = self.optimizer.state
+        counts = [state[p]["step"] for p in self._with_state if id(p) in updated and "step" in state[p]]
+        if counts:
+            torch._foreach_add_(counts, 1)
 
     def _ready(self, param: torch.nn.Parameter, group: dict) -> bool:
         """Whether `param` has the optimizer state its update reads (a parameter that never had a
@@ -116,9 +138,11 @@ class OptimizerInBackward:
         state = self.optimizer.state[param]
         return [state[k] for k in template.state_keys]
 
-    def hypers(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[tuple[Any, torch.Tensor]]:
-        """(key, tensor) for the parameter's scalar row of this update (compile_core/step/optim_math.py)."""
-        return [((id(param), "scalars"), self._rows[id(param)])]
+    def scalar_table(self, param: torch.nn.Parameter) -> tuple[Any, torch.Tensor, int]:
+        """(key, table, row): this update's scalar table of the parameter's group and device, and the
+        parameter's row in it (compile_core/step/optim_math.py); parameters sharing a key share the table."""
+        key, row = self._slot[id(param)]
+        return key, self._tables[key], row
 
     # -- capture -----------------------------------------------------------------------------------
 
@@ -152,9 +176,8 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...
     if isinstance(optimizer, torch.optim.SGD):
         return ("momentum_buffer",)
     return (
-        ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
-        if group.get("amsgrad")
-        else ("exp_avg", "exp_avg_sq", "step")
+        # not "step": its count is in the scalar row, and `advance_steps` moves it on the host
+        ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
     )
 
 
@@ -185,7 +208,7 @@ def _update_function(optimizer: torch.optim.Optimizer, group: dict, state_keys: 
             states["exp_avg"],
             states["exp_avg_sq"],
             states.get("max_exp_avg_sq"),
-            states["step"],
+            None,  # the step count moves on the host (`OptimizerInBackward.advance_steps`)
             rest[-1],
             decoupled=flags["decoupled"],
             weight_decay=flags["weight_decay"],

@@ -48,7 +48,7 @@ class UpdateTemplate:
     state_keys: tuple[str, ...]
     """Keys of `optimizer.state[p]` passed as state tensors, in role order."""
     hyper_keys: tuple[str, ...]
-    """Group hyperparameter tensors that follow ("lr", "beta1", "beta2")."""
+    """The scalar tensors that follow the state tensors (("scalars",): one row of `optim_math.scalars`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,9 @@ class UpdateSpec:
     templates: Mapping[int, UpdateTemplate]
     """Parameter input index -> its update."""
     role_inputs: Mapping[int, tuple[int, ...]]
-    """Parameter input index -> graph input indices of its state and hyperparameter tensors."""
+    """Parameter input index -> graph input indices of its state tensors, then of its scalar table."""
+    scalar_rows: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    """Parameter input index -> its row in the scalar table (its last role input); the template reads that row."""
     clip_max_norm: float | None = None
     """Clip the global norm of all reduced gradients first (all buckets wait, then all update)."""
     norm_input: int | None = None
@@ -82,6 +84,7 @@ class SplicedUpdates:
                 _CODE_HASH,
                 sorted((i, t.graph.code, t.positions, t.state_keys, t.hyper_keys) for i, t in u.templates.items()),
                 sorted(u.role_inputs.items()),
+                sorted(u.scalar_rows.items()),
                 u.clip_max_norm,
                 u.norm_input,
                 u.lookahead,
@@ -204,6 +207,8 @@ def _apply_update(
     """Copy the parameter's update template into the backward, on the real parameter and state."""
     template = updates.templates[index]
     roles = [input_node(index), grad] + [input_node(i) for i in updates.role_inputs[index]]
+    if index in updates.scalar_rows:  # the template takes one row of the table the parameters share
+        roles[-1] = builder.call(_ops.select.int, [roles[-1], 0, updates.scalar_rows[index]])
     placeholders = [n for n in template.graph.graph.nodes if n.op == "placeholder"]
     env: dict[fx.Node, Any] = {}
     for role, position in zip(roles, template.positions):

@@ -94,17 +94,13 @@ def support(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def next_steps(step_counts: Sequence[torch.Tensor]) -> list[float]:
-    """The step each update brings its parameter to (its `state["step"]` + 1), read without a device sync per
-    parameter: counts on the CPU (torch's default) are read directly, counts on a GPU (`fused=True`,
-    `capturable=True`) in one transfer per device, not one `.item()` each, which would wait for the GPU
-    every time."""
+    """The step each update brings its parameter to (its `state["step"]` + 1), read in one transfer per device
+    (one stacked read, not one `.item()` per parameter: on a GPU each would wait for the stream, and even on
+    the CPU each is a dispatched op, hundreds per update for a GPT-2-sized model)."""
     steps: list[float | None] = [None] * len(step_counts)
-    on_device: dict[torch.device, list[int]] = {}
+    on_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, count in enumerate(step_counts):
-        if count.device.type == "cpu":
-            steps[i] = float(count) + 1
-        else:
-            on_device.setdefault(count.device, []).append(i)
+        on_device.setdefault((count.device, count.dtype), []).append(i)
     for indices in on_device.values():
         for i, value in zip(indices, torch.stack([step_counts[i] for i in indices]).tolist()):
             steps[i] = float(value) + 1
@@ -122,7 +118,11 @@ def scalars(
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         first = (1 - lr * wd) if decoupled(optimizer, group) else wd
-        rows = [[first, 1 - beta1, beta2, 1 - beta2, (1 - beta2**s) ** 0.5, -(lr / (1 - beta1**s)), eps] for s in steps]
+        by_step = {
+            s: [first, 1 - beta1, beta2, 1 - beta2, (1 - beta2**s) ** 0.5, -(lr / (1 - beta1**s)), eps]
+            for s in set(steps)  # parameters usually share their step count: one row computed per distinct count
+        }
+        rows = [by_step[s] for s in steps]
     else:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         momentum, dampening = float(group["momentum"]), float(group["dampening"])
@@ -141,7 +141,7 @@ def adam_math(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     max_exp_avg_sq: torch.Tensor | None,
-    step: torch.Tensor,
+    step: torch.Tensor | None,
     s: torch.Tensor,
     *,
     decoupled: bool,
@@ -149,7 +149,8 @@ def adam_math(
     maximize: bool,
     low_lerp: bool | None = None,
 ) -> None:
-    """One Adam/AdamW update in place (`s`: a row laid out as `ADAM_SCALARS`).
+    """One Adam/AdamW update in place (`s`: a row laid out as `ADAM_SCALARS`, computed for the step count
+    this update reaches; `step`, when given, is advanced to it).
 
     `low_lerp`: which of `lerp`'s two formulas the first moment takes, when the caller knows it (True:
     |1 - beta1| < 0.5, `m + w * (g - m)`; False: `g - (1 - w) * (g - m)`), the same ops `lerp_` with a
@@ -157,7 +158,8 @@ def adam_math(
     parameter is then 5 nodes shorter); None: `lerp_` itself."""
     if maximize:
         grad = -grad
-    step.add_(1)
+    if step is not None:  # None: the caller counts steps itself (the update inside the backward)
+        step.add_(1)
     if weight_decay:
         if decoupled:
             param.mul_(s[0])

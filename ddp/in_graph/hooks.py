@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 import torch.fx as fx
 
+from aot.torch_dynamo import static_example, traced_fake_mode
 from ddp.bucketing.grad_buckets import GradBucketPlan
 
 # -- compile time ------------------------------------------------------------------------------------
@@ -42,10 +43,12 @@ class GraphInputs:
     def __init__(self, examples: Sequence[Any]) -> None:
         self.examples: list[Any] = list(examples)
         self.producers: list[Callable[[], torch.Tensor]] = []
+        self._fake_mode = traced_fake_mode(self.examples)
 
     def add(self, example: torch.Tensor, make: Callable[[], torch.Tensor]) -> int:
-        """Append one input (`example` to compile with, `make` for every run); returns its index."""
-        self.examples.append(example)
+        """Append one input (`example` to compile with, `make` for every run); returns its index. The
+        example is compiled with static shapes (`aot.torch_dynamo.static_example`: a graph may index it)."""
+        self.examples.append(static_example(self._fake_mode, example))
         self.producers.append(make)
         return len(self.examples) - 1
 
@@ -169,6 +172,8 @@ class StepOutcome:
 
     hook_ran: bool
     """A graph whose hook used gradients up ran in this step's backward."""
+    used_up: frozenset[int]
+    """The ids of the parameters whose gradient a hook used up in that backward (empty: none)."""
     hook_reason: str | None
     """Why the last graph compiled in a hooked variant does not use its hook (None: it does)."""
     skipped: tuple[str, ...]

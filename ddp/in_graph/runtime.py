@@ -151,6 +151,7 @@ class InGraphReducer:
         """The reducer after the last synchronising backward."""
         return StepOutcome(
             hook_ran=bool(self._consumed),
+            used_up=frozenset(self._consumed),
             hook_reason=self._hook_reason,
             skipped=self._skipped,
             graphs=self.graphs_last_step,

@@ -24,14 +24,17 @@ def _after_one_eager_step(kind: str, beta1: float) -> tuple[torch.nn.Parameter, 
 
 
 def _apply_template(updates: OptimizerInBackward, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """What the spliced graph does for one parameter: its row of the table, its update, its step count."""
     template = updates.template_for(param)
     assert template is not None
-    roles = [param.data, grad] + updates.states(param, template) + [t for _, t in updates.hypers(param, template)]
+    _, table, row = updates.scalar_table(param)
+    roles = [param.data, grad] + updates.states(param, template) + [table[row]]
     inputs: list = [None] * len(template.positions)
     for role, position in zip(roles, template.positions):
         if position is not None:
             inputs[position] = role
     template.graph(*inputs)
+    updates.advance_steps(frozenset({id(param)}))
 
 
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
@@ -198,3 +201,28 @@ def test_the_next_step_of_each_parameter_is_read_as_torch_counts_it():
     counts = [torch.tensor(3.0), torch.tensor(0.0), torch.tensor(41.0)]
     assert optim_math.next_steps(counts) == [4.0, 1.0, 42.0]
     assert optim_math.next_steps([]) == []
+
+
+def test_a_param_group_shares_one_scalar_table_and_step_counts_advance_on_the_host():
+    """Every input of the compiled backward costs host time at each call: the update reads one table of
+    scalars per param group and device (a row per parameter, each for that parameter's own step count), and
+    the step counts are not graph inputs; they advance after the backward, only for the parameters it updated."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4)) for _ in range(3)]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.9), foreach=False)
+    for p in params:
+        p.grad = torch.randn(4)
+    optimizer.step()
+    optimizer.state[params[1]]["step"].fill_(5.0)  # counts may differ (a parameter that joined late)
+    updates = OptimizerInBackward(optimizer)
+    updates.prepare()
+    slots = [updates.scalar_table(p) for p in params]
+    assert len({key for key, _, _ in slots}) == 1 and len({id(table) for _, table, _ in slots}) == 1
+    _, table, _ = slots[0]
+    assert [row for _, _, row in slots] == [0, 1, 2] and table.shape == (3, 7)
+    # column 5 is -lr / (1 - beta1 ** step) for the step each parameter reaches: 2, 6, 2
+    expected = [-1e-2 / (1 - 0.8**s) for s in (2, 6, 2)]
+    torch.testing.assert_close(table[:, 5], torch.tensor(expected), rtol=1e-6, atol=0)
+    assert all("step" not in t.state_keys for t in updates._templates.values())
+    updates.advance_steps(frozenset({id(params[0]), id(params[1])}))
+    assert [float(optimizer.state[p]["step"]) for p in params] == [2.0, 6.0, 1.0]

@@ -130,6 +130,28 @@ def test_fake_mode_and_hooks_while_a_backend_runs():
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_an_added_example_input_is_a_static_fake_of_dynamos_mode():
+    """AOTAutograd fakeifies a real example with a sourceless size symbol per dimension; an input we add
+    beside Dynamo's is handed over as a fake of Dynamo's mode with plain int sizes instead."""
+    with canary("aot/torch_dynamo.py:traced_fake_mode/static_example"):
+        seen = {}
+
+        def backend(gm, example_inputs):
+            mode = torch_dynamo.traced_fake_mode(list(example_inputs))
+            added = torch_dynamo.static_example(mode, torch.zeros(148, 7))
+            seen["same mode"] = added.fake_mode is mode
+            seen["sizes"] = [type(d).__name__ for d in added.shape]
+            seen["kept"] = torch_dynamo.static_example(mode, added) is added
+            return gm.forward
+
+        torch.compile(lambda x: x * 2, backend=backend, dynamic=True)(torch.randn(4))
+        assert seen == {"same mode": True, "sizes": ["int", "int"], "kept": True}, seen
+        assert torch_dynamo.traced_fake_mode([torch.randn(2)]) is None
+        real = torch.randn(2)
+        assert torch_dynamo.static_example(None, real) is real
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_non_lazy_backward_compiles_the_backward_with_the_forward():
     with canary("aot/torch_dynamo.py:non_lazy_backward"):
         compiled = []
