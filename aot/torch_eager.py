@@ -84,3 +84,9 @@ def foreach_by_default(params: list[torch.Tensor]) -> bool:
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
     return _default_to_fused_or_foreach(list(params), differentiable=False, use_fused=False)[1]
+
+
+def add_to_each(tensors: list[torch.Tensor], value: float) -> None:
+    """`t += value` for every tensor, in one multi-tensor op (`torch._foreach_add_`, what torch's foreach
+    optimizers advance their step counts with): one dispatch for the list, not one per tensor."""
+    torch._foreach_add_(tensors, value)

@@ -132,6 +132,7 @@ def table(result: dict[str, Any]) -> list[str]:
         outside,
         "ms to the first kernel",
         "graph calls/step",
+        "host ops/step",
         "params vs eager",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -152,6 +153,7 @@ def table(result: dict[str, Any]) -> list[str]:
             _f(gap),
             _k(row, "lead_ms", ".2f"),
             _k(row, "graph_calls", ".0f"),
+            _k(row, "host_ops", ".0f"),
             _f(row.get("param_distance"), ".1e"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -198,7 +200,8 @@ def describe(result: dict[str, Any]) -> list[str]:
             "the (unprofiled) step's time with the GPU idle"
         )
         + "; ms to the first kernel = from the step's start (after the previous step's sync) to its first "
-        "kernel; graph calls = compiled Inductor graphs called.",
+        "kernel; graph calls = compiled Inductor graphs called; host ops = the host's aten ops in the step, "
+        "nested ones too (a CPU figure that ranks the modes as the GPU's host-bound steps do: issue 34, item 6).",
         "- Warm start-up (phase C, where listed): a fresh process on the mode's cache, alone.",
         "- params vs eager: distance of the final parameters' update from eager's (benchmarks/checksum.py).",
         "- Phases: "

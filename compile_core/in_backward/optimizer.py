@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from aot.torch_dynamo import capture_functional
+from aot.torch_eager import add_to_each
 from compile_core.in_backward.splice import UpdateTemplate
 from compile_core.step import optim_math
 from inductor.torch_inductor import decompositions
@@ -38,9 +39,12 @@ class OptimizerInBackward:
         self._group_of: dict[int, int] = {}
         self._baked: list[tuple] = []
         self._members: dict[tuple[int, torch.device], list[torch.nn.Parameter]] = {}
-        """Per (group, device): its parameters at `prepare`, in group order (a row each in the table)."""
+        """Per (group, device): its parameters as `prepare` first saw them, in group order (a row each)."""
         self._slot: dict[int, tuple[tuple[int, torch.device], int]] = {}  # param id -> (table key, row)
         self._tables: dict[tuple[int, torch.device], torch.Tensor] = {}  # this update's scalar rows, per key
+        self._state_of: dict[int, dict] = {}
+        """id(param) -> its optimizer state, read at `refresh`: the per-call lookups of every state tensor go
+        through ints, not through `Tensor.__hash__` (a Python call per lookup, hundreds per update)."""
         self._with_state: list[torch.nn.Parameter] = []  # the parameters that had optimizer state at `prepare`
         self._state_watch = optim_math.StateWatch(optimizer)  # marked at `prepare` and while nothing is lost
 
@@ -48,13 +52,13 @@ class OptimizerInBackward:
         """Capture one template per (group, dtype, device) that has a parameter with optimizer state
         (update 1 ran and created it; plain SGD keeps none)."""
         self._baked = [_flags(self.optimizer, g) for g in self.optimizer.param_groups]
-        self._members, self._slot = {}, {}
         for index, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 self._group_of[id(p)] = index
-                members = self._members.setdefault((index, p.device), [])
-                self._slot[id(p)] = ((index, p.device), len(members))
-                members.append(p)
+                if id(p) not in self._slot:  # rows never move: a graph compiled earlier reads them by index
+                    members = self._members.setdefault((index, p.device), [])
+                    self._slot[id(p)] = ((index, p.device), len(members))
+                    members.append(p)
                 key = (index, p.dtype, p.device)
                 if key not in self._templates and self._ready(p, group):
                     self._templates[key] = self._capture(group, p)
@@ -83,12 +87,13 @@ class OptimizerInBackward:
         graph, and each input costs host time at every call (a producer, a size check, AOT's wrapper).
         A parameter without state (no update here) gets the row of step 1, unread."""
         adam = optim_math.is_adam(self.optimizer)
+        self._state_of = {id(p): state for p, state in self.optimizer.state.items()}
         for (index, device), members in self._members.items():
             group = self.optimizer.param_groups[index]
             if adam:
-                state = self.optimizer.state
-                counted = [i for i, p in enumerate(members) if "step" in state.get(p, ())]
-                known = optim_math.next_steps([state[members[i]]["step"] for i in counted])
+                state_of = self._state_of
+                counted = [i for i, p in enumerate(members) if "step" in state_of.get(id(p), ())]
+                known = optim_math.next_steps([state_of[id(members[i])]["step"] for i in counted])
                 steps = [1.0] * len(members)
                 for i, s in zip(counted, known):
                     steps[i] = s
@@ -98,14 +103,14 @@ class OptimizerInBackward:
 
     def advance_steps(self, updated: frozenset[int]) -> None:
         """After a backward that updated the parameters with these ids: their step counts + 1, as torch's
-        step does, in one foreach op (on the host, not in the graph: a 0-dim CPU input per parameter
-        would cost the compiled graph an input each, and its device kernels cannot write them)."""
+        step does, in one foreach op (on the host, not in the graph: as graph inputs the counts, 0-dim CPU
+        tensors, cost an input each at every call, and a CPU kernel beside a GPU graph's)."""
         if not optim_math.is_adam(self.optimizer) or not updated:
             return
-        state = self.optimizer.state
-        counts = [state[p]["step"] for p in self._with_state if id(p) in updated and "step" in state[p]]
+        state_of = self._state_of
+        counts = [state_of[i]["step"] for i in updated if "step" in state_of.get(i, ())]
         if counts:
-            torch._foreach_add_(counts, 1)
+            add_to_each(counts, 1)
 
     def _ready(self, param: torch.nn.Parameter, group: dict) -> bool:
         """Whether `param` has the optimizer state its update reads (a parameter that never had a
@@ -131,11 +136,13 @@ class OptimizerInBackward:
         return self._templates.get((index, param.dtype, param.device))
 
     def states(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[torch.Tensor]:
-        """The live state tensors of one parameter (looked up at every call: `load_state_dict`
-        replaces them)."""
+        """The live state tensors of one parameter (looked up at every call, in the state mapping as the last
+        `refresh` found it: `load_state_dict` replaces them)."""
         if not template.state_keys:
             return []  # (and no empty entry in the optimizer's state, which indexing would create)
-        state = self.optimizer.state[param]
+        state = self._state_of.get(id(param))
+        if state is None:  # not seen by the last `refresh` (a compile before it)
+            state = self.optimizer.state[param]
         return [state[k] for k in template.state_keys]
 
     def scalar_table(self, param: torch.nn.Parameter) -> tuple[Any, torch.Tensor, int]:

@@ -249,6 +249,16 @@ class _Sub(torch.Tensor):
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_add_to_each_advances_every_tensor_in_place():
+    with canary("aot/torch_eager.py:add_to_each"):
+        counts = [torch.tensor(0.0), torch.tensor(5.0), torch.tensor(41.0)]
+        before = [c.data_ptr() for c in counts]
+        torch_eager.add_to_each(counts, 1)
+        assert [float(c) for c in counts] == [1.0, 6.0, 42.0]
+        assert [c.data_ptr() for c in counts] == before
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_pytorch_ddp_optimizer_is_a_dynamo_config_value():
     with canary("aot/torch_dynamo.py:pytorch_ddp_optimizer"):
         with torch_dynamo.pytorch_ddp_optimizer():
