@@ -196,9 +196,7 @@ def break_counters() -> dict[str, int]:
 
 def fake_mode_of(example_inputs: list) -> Any:
     """The FakeTensorMode Dynamo traced `example_inputs` with, or a new one (`_dynamo/utils.py`)."""
-    from torch._dynamo.utils import detect_fake_mode
-
-    return detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+    return traced_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
 
 
 def static_example(fake_mode: Any, tensor: torch.Tensor) -> torch.Tensor:

@@ -87,11 +87,10 @@ class OptimizerInBackward:
         graph, and each input costs host time at every call (a producer, a size check, AOT's wrapper).
         A parameter without state (no update here) gets the row of step 1, unread."""
         adam = optim_math.is_adam(self.optimizer)
-        self._state_of = {id(p): state for p, state in self.optimizer.state.items()}
+        self._state_of = state_of = {id(p): state for p, state in self.optimizer.state.items()}
         for (index, device), members in self._members.items():
             group = self.optimizer.param_groups[index]
             if adam:
-                state_of = self._state_of
                 counted = [i for i, p in enumerate(members) if "step" in state_of.get(id(p), ())]
                 known = optim_math.next_steps([state_of[id(members[i])]["step"] for i in counted])
                 steps = [1.0] * len(members)
