@@ -89,7 +89,8 @@ class Entry:
 
     def spec(self, kind: str, cache: str, gate: Path | None) -> JobSpec:
         """The job: `cold` compiles (2 warm-up steps), waits at `gate`, then warms up, is timed and profiled
-        alone; `warm` reads the start-up on a filled cache (2 steps to read, 1 to time, nothing profiled)."""
+        (kernels, then memory) alone; `warm` reads the start-up on a filled cache (2 steps to read, 1 to time,
+        nothing profiled)."""
         from benchmarks.suite import _worker_spec
 
         cfg, w = self.cfg, self.cfg.workloads[0]
@@ -99,6 +100,8 @@ class Entry:
             # the gate after step 2 (start-up is read to there); the other warm-up steps run alone, after it,
             # and refill the allocator's cache that the wait gave back
             worker.update(profile_steps=cfg.profile_steps, kernel_profile=True, gate_dir=str(gate), gate_after=2)
+            # and one step more under the memory profiler: its peak by kind (benchmarks/memory_peak.py)
+            worker["memory_profile_steps"] = 1
         else:
             worker.update(warmup=2, profile_steps=0)
         if self.foreach:

@@ -64,6 +64,7 @@ def mode_row(mode: str, cold: dict[str, Any] | None, warm: dict[str, Any] | None
         later_warmup_compile_s=(rank0.get("compile") or {}).get("later_warmup_compile_s"),
         pieces=(rank0.get("info") or {}).get("pieces"),
         kernels=kernels if kernels.get("measured") else None,
+        memory_at_peak=rank0.get("memory_at_peak"),
         versions=rank0.get("versions"),
         device=rank0.get("device"),
         pg_backend=rank0.get("pg_backend"),
@@ -164,6 +165,39 @@ def table(result: dict[str, Any]) -> list[str]:
     return lines + ([""] + notes if notes else [])
 
 
+MEMORY_HELD = ("parameters", "optimizer_state", "ddp_buckets")
+"""What a job holds between steps, shown at its peak (buffers and kept gradients join `other held`)."""
+
+
+def memory_table(result: dict[str, Any]) -> list[str]:
+    """What is live at each mode's memory peak, by kind, and where the peak sits (benchmarks/memory_peak.py);
+    nothing where no mode measured it."""
+    rows = {m: r.get("memory_at_peak") for m, r in result["modes"].items()}
+    if not any((r or {}).get("measured") for r in rows.values()):
+        return []
+    head = ["mode", "peak MB", "where", *MEMORY_HELD, "other held", "gradients", "activations", "temporaries", "kept"]
+    lines = ["| " + " | ".join(head).replace("_", " ") + " |", "|" + "---|" * len(head)]
+    for mode, peak in rows.items():
+        if not (peak or {}).get("measured"):
+            reason = (peak or {}).get("reason", "not measured")
+            lines.append(f"| `{mode}` | - | {_short(reason, 80)} |" + " |" * (len(head) - 3))
+            continue
+        held, step = peak.get("held_mb") or {}, peak["step_mb"]
+        where = peak["where"]
+        if peak.get("backward_fraction") is not None:
+            where += f" at {100 * peak['backward_fraction']:.0f}%"
+        other = sum(v for k, v in held.items() if k not in MEMORY_HELD) if held else None
+        cells = [f"`{mode}`", _mb(peak.get("peak_mb")), where]
+        cells += [_mb(held.get(k)) for k in MEMORY_HELD] + [_mb(other)]
+        cells += [_mb(step[k]) for k in ("gradients", "activations", "temporaries", "kept")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _mb(value: float | None) -> str:
+    return _f(value, ".0f" if value is not None and value >= 100 else ".1f")
+
+
 def _minus(a: float | None, b: float | None) -> float | None:
     return a - b if a is not None and b is not None else None
 
@@ -210,11 +244,24 @@ def describe(result: dict[str, Any]) -> list[str]:
     ]
 
 
+MEMORY_TEXT = (
+    "What is live at each mode's memory peak, MB (one more step after the kernel profile, under the memory "
+    "profiler; benchmarks/memory_peak.py, its Note): what the job holds between steps (parameters, optimizer state, "
+    "DDP's bucket copy), then what the step allocated and still holds at the peak: gradients (dropped by "
+    "zero_grad), activations (allocated before the backward began), temporaries (since then; a compiled "
+    "backward's gradient buffers included), kept (outlive the step). Where: the step's phase at the peak, a "
+    "backward peak placed from its start (0%) to its end (100%)."
+)
+
+
 def section(results: list[dict[str, Any]]) -> str:
     """The GPU block (markers included) for one or more runs (fp32, bf16)."""
     body = [GPU_BEGIN, ""]
     for result in results:
         body += describe(result) + table(result) + [""]
+        memory = memory_table(result)
+        if memory:
+            body += [MEMORY_TEXT, ""] + memory + [""]
     body.append(GPU_END)
     return "\n".join(body) + "\n"
 

@@ -104,12 +104,13 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     gate_wait_s = None
     kernel_profile = bool(spec.get("kernel_profile"))
     kernel_error = None
+    memory_steps = int(spec.get("memory_profile_steps") or 0)  # after all others: benchmarks/memory_peak.py
     batches = [
         tuple(
             t.to(device)
             for t in synthetic_batch(cfg, spec["batch"], spec["seq_len"], step=i, rank=rank, seed=spec["seed"])
         )
-        for i in range(warmup + steps + profiled)
+        for i in range(warmup + steps + profiled + memory_steps)
     ]
     clock = StepClock()
     peaks = memory.PeakTracker()
@@ -120,7 +121,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     host_s: list[float] = []  # until step.run returned, before the sync: the host's share of the step
     losses: list[float] = []
     with contextlib.ExitStack() as stack:
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y) in enumerate(batches[: len(batches) - memory_steps]):
             if gate is not None and 0 < i <= gate_after and device.type == "cuda":
                 # many jobs share the GPU while they compile and wait: each holds only what is live between steps
                 torch.cuda.empty_cache()
@@ -160,6 +161,12 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     if profiled == 0:
         peaks.stop_steady()
         cuda_peak = _cuda_peak_mb(device)
+    memory_at_peak = None
+    for x, y in batches[len(batches) - memory_steps :]:  # the last such step is the one reported
+        if state_mb is None:
+            state_mb = memory.training_state_mb(model, optimizer, ddp)
+        memory_at_peak, loss = _memory_at_peak(step, x, y, device, state_mb)
+        losses.append(float(loss))
 
     # report() reads the other ranks' compile summaries from the store that rank 0 hosts: every rank reads
     # it before the all-reduce below, which no rank leaves before all have arrived
@@ -195,6 +202,8 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "compile": clock.summary(warmup),
         "info": info,
     }
+    if memory_at_peak is not None:
+        result["memory_at_peak"] = memory_at_peak
     if kernel_profile:
         result["kernels"] = _kernels(profiler, kernel_error)
         result["state_mb"] = state_mb  # what the job held between steps, by kind (benchmarks/memory.py)
@@ -250,6 +259,31 @@ def _kernels(profiler, error: str | None) -> dict[str, Any]:
         return summarize_kernels(profiler.events())
     except Exception as err:  # a trace this code cannot read must not cost the job its timings
         return {"measured": False, "reason": f"reading the trace failed: {type(err).__name__}: {err}"}
+
+
+def _memory_at_peak(step, x, y, device, held: dict[str, float]) -> tuple[dict[str, Any], Any]:
+    """One step under the memory profiler, its peak taken apart by kind (benchmarks/memory_peak.py), and the
+    step's loss. A trace this code cannot read costs the job this figure only; a failing step fails the job."""
+    import tempfile
+
+    from benchmarks.memory_peak import profiled_peak
+
+    fd, path = tempfile.mkstemp(prefix="memory_step_", suffix=".json")
+    os.close(fd)
+    out: list[Any] = []
+
+    def run_step() -> None:
+        out.append(step.run(x, y))
+        _sync(device)
+
+    where = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
+    try:
+        found = profiled_peak(run_step, device=where, held=held, trace_path=path)
+    except Exception as err:
+        if not out:  # the step itself failed: that is the job's error
+            raise
+        found = {"measured": False, "reason": f"reading the memory profile failed: {type(err).__name__}: {err}"}
+    return found, out[0]
 
 
 def _versions(device) -> dict[str, Any]:

@@ -271,7 +271,15 @@ def test_a_tiny_cpu_run_writes_the_json_and_the_block(tmp_path):
     assert row["status"] == "ok", row.get("error")
     assert row["kernels"]["device"] == "cpu" and row["kernels"]["kernels"] > 10
     assert row["cuda_peak_mb"] is None and row["step_ms"] > 0
-    assert (tmp_path / "gpu_fp32_tiny.md").read_text().startswith(GPU_BEGIN)
+    # one more step under the memory profiler: its peak by kind, the held state from the job's own count
+    peak = row["memory_at_peak"]
+    assert peak["measured"] and peak["device"] == "cpu", peak
+    assert peak["held_mb"]["parameters"] > 0 and peak["held_mb"]["optimizer_state"] > 0, peak
+    assert peak["peak_mb"] == pytest.approx(sum(peak["held_mb"].values()) + peak["step_peak_mb"])
+    assert peak["where"] in ("forward", "backward", "after backward") and peak["step_peak_mb"] > 0, peak
+    block = (tmp_path / "gpu_fp32_tiny.md").read_text()
+    assert block.startswith(GPU_BEGIN)
+    assert "| `eager` | " + format(peak["peak_mb"], ".1f") + " | " in block  # the memory table's row
     assert (tmp_path / "logs_fp32_tiny.tgz").is_file()
     md = tmp_path / "B.md"
     md.write_text("# Benchmarks\n\n## GPU: by hand\n")
