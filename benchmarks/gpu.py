@@ -7,10 +7,13 @@ Every mode runs as its own one-rank job (world size 1: nccl on a GPU, gloo on th
   is measured under that contention (said so in the table). Each job then waits at its gate
   (benchmarks/gate.py).
 - B, timed: the orchestrator lets one job at a time through: its timed steps and then its profiled steps
-  (torch.profiler with CUDA: kernels, GPU-busy ms, graph calls per step; benchmarks/kernels.py) run with
+  (torch.profiler with CUDA: kernels, GPU-busy ms, graph calls per step; benchmarks/kernels.py), then one
+  step under the memory profiler (what is live at its peak, by kind: benchmarks/memory_peak.py) run with
   nothing else on the device; the other jobs sleep at their gates.
 - C, warm start-up (`--warm-modes`): while time is left, a fresh process per listed mode on the cache phase A
-  filled, alone: the warm time to the end of step 2.
+  filled, alone: the warm time to the end of step 2. With `--profile-warm`, one more such process per mode
+  runs its first two steps under cProfile and reports its top functions (where a cache hit still spends its
+  time; the profiler slows Python, so its own time to step 2 is not the warm figure).
 
 A budget (`--budget-s`, default 540 s) bounds the whole: phase A ends in time to leave phase B its share
 (`--reserve-s` per job), a job not ready then is killed and reported as failed, and no phase starts work it
@@ -101,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--warm-modes",
         default=",".join(WARM_MODES),
         help="phase C: warm start-up of these modes while time is left ('' for none)",
+    )
+    p.add_argument(
+        "--profile-warm",
+        action="store_true",
+        help="phase C: after each warm start-up, one more under cProfile (its first two steps' top functions)",
     )
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -295,7 +303,14 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
     work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
     try:
         jobs = run_phases(
-            entries, parallel=parallel, reserve_s=args.reserve_s, warm=warm, budget=budget, work=work, worker=worker
+            entries,
+            parallel=parallel,
+            reserve_s=args.reserve_s,
+            warm=warm,
+            budget=budget,
+            work=work,
+            worker=worker,
+            profile_warm=args.profile_warm,
         )
         results = [
             build_result(
@@ -328,12 +343,39 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
             top = (row.get("kernels") or {}).get("top") or []
             cells = "; ".join(f"{t['name'][:70]} x{t['calls']} {t['ms']:.2f}" for t in top[:3])
             print(f"  {p}/{mode}: {cells or '-'}")
+    print("\nwhere the device waits (last profiled step: the 3 longest stretches without a kernel, ms at ms):")
+    for p, result in zip(precisions, results):
+        for mode, row in result["modes"].items():
+            gaps = (row.get("kernels") or {}).get("idle_top") or []
+            cells = "; ".join(
+                f"{g['ms']:.2f} at {g['at_ms']:.1f} before {g['after'][:40]} (host: {' > '.join(g['host'][-2:])})"
+                for g in gaps[:3]
+            )
+            print(f"  {p}/{mode}: {cells or '-'}")
+    for p, result in zip(precisions, results):
+        for mode, row in result["modes"].items():
+            found = row.get("startup_profile_warm")
+            if found:
+                two = found.get("two_steps_s")
+                two_text = f"{two:.2f} s" if isinstance(two, (int, float)) else "-"
+                print(f"\nwarm start-up of {p}/{mode} under cProfile (to the end of step 2: {two_text}):")
+                print(found.get("error") or "\n".join(_profile_lines(found)))
     print()
     print(block)
     print(f"JSON: {' '.join(map(str, paths))}")
     print(f"markdown: {md} (into BENCHMARKS.md: python -m benchmarks.gpu --render JSON... --markdown BENCHMARKS.md)")
     print(f"total {budget.at():.0f} s of {args.budget_s:.0f}")
     return 0
+
+
+def _profile_lines(found: dict[str, Any], n: int = 12) -> list[str]:
+    """The start-up profile's top functions by own time, then by cumulative time, one per line."""
+    out = []
+    for key, label in (("own", "own"), ("cumulative", "cumulative")):
+        out.append(f"  by {label} time (own s, cumulative s, calls):")
+        for r in found.get(key, [])[:n]:
+            out.append(f"    {r['own_s']:8.2f} {r['cumulative_s']:8.2f} {r['calls']:>8}  {r['where']}")
+    return out
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ class Entry:
     def spec(self, kind: str, cache: str, gate: Path | None) -> JobSpec:
         """The job: `cold` compiles (2 warm-up steps), waits at `gate`, then warms up, is timed and profiled
         (kernels, then memory) alone; `warm` reads the start-up on a filled cache (2 steps to read, 1 to time,
-        nothing profiled)."""
+        nothing profiled); `warm_profiled` is a second warm start-up with its first two steps under cProfile."""
         from benchmarks.suite import _worker_spec
 
         cfg, w = self.cfg, self.cfg.workloads[0]
@@ -102,8 +102,8 @@ class Entry:
             worker.update(profile_steps=cfg.profile_steps, kernel_profile=True, gate_dir=str(gate), gate_after=2)
             # and one step more under the memory profiler: its peak by kind (benchmarks/memory_peak.py)
             worker["memory_profile_steps"] = 1
-        else:
-            worker.update(warmup=2, profile_steps=0)
+        else:  # warm, or warm_profiled: the same under cProfile (where a warm start-up spends its time)
+            worker.update(warmup=2, profile_steps=0, startup_profile=kind == "warm_profiled")
         if self.foreach:
             worker["optimizer_kwargs"] = {**worker["optimizer_kwargs"], "foreach": True}
         return JobSpec(
@@ -127,9 +127,10 @@ def run_phases(
     budget: Budget,
     work: Path,
     worker: tuple[str, ...] = WORKER,
+    profile_warm: bool = False,
 ) -> list[dict[str, Any]]:
-    """Phases A and B per group of `parallel` entries, then C for `warm`; one result per job (each with its
-    `tag`), failures included."""
+    """Phases A and B per group of `parallel` entries, then C for `warm` (each followed by a `warm_profiled`
+    job with `profile_warm`); one result per job (each with its `tag`), failures included."""
     jobs_dir = work / "jobs"
     caches: dict[str, str] = {}
     results: list[dict[str, Any]] = []
@@ -158,15 +159,20 @@ def run_phases(
         if budget.left() < reserve_s * 2:
             budget.log(f"phase C: no time left for {e.label} and after")
             break
-        spec = e.spec("warm", caches[e.label], None)
-        job_dir, procs = start_job(spec, jobs_dir, worker=worker)
-        job = Running(e, spec, job_dir, procs, Gate(work / "gates" / "unused"), started=time.monotonic())
-        left = budget.left()
-        res = job.finish(timed_out=not _wait(job, left), timeout_s=left)
-        results.append(res)
-        done += 1
-        two = res["ranks"][0].get("two_steps_s") if res["ok"] else None
-        budget.log(f"[warm] {e.label}: " + (f"to end of step 2 {two:.1f} s" if res["ok"] else res["errors"][0][:300]))
+        for kind in ("warm", "warm_profiled") if profile_warm else ("warm",):
+            if kind != "warm" and budget.left() < reserve_s * 2:
+                budget.log(f"phase C: no time left for the profiled warm start-up of {e.label}")
+                break
+            spec = e.spec(kind, caches[e.label], None)
+            job_dir, procs = start_job(spec, jobs_dir, worker=worker)
+            job = Running(e, spec, job_dir, procs, Gate(work / "gates" / "unused"), started=time.monotonic())
+            left = budget.left()
+            res = job.finish(timed_out=not _wait(job, left), timeout_s=left)
+            results.append(res)
+            done += 1
+            two = res["ranks"][0].get("two_steps_s") if res["ok"] else None
+            said = f"to end of step 2 {two:.1f} s" if res["ok"] else res["errors"][0][:300]
+            budget.log(f"[{kind}] {e.label}: {said}")
     budget.done(entry, f"{done} warm start-up(s)")
     return results
 

@@ -34,9 +34,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def mode_row(mode: str, cold: dict[str, Any] | None, warm: dict[str, Any] | None) -> dict[str, Any]:
-    """One mode's figures from its cold job (compiled side by side, then timed alone) and its optional warm
-    start-up job. A mode whose job failed keeps what it measured before failing (start-up) and its error."""
+def mode_row(
+    mode: str, cold: dict[str, Any] | None, warm: dict[str, Any] | None, profiled: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One mode's figures from its cold job (compiled side by side, then timed alone), its optional warm
+    start-up job and its optional profiled warm start-up (`startup_profile_warm`: the first two steps' top
+    functions under cProfile). A mode whose job failed keeps what it measured before failing (start-up) and
+    its error."""
     row: dict[str, Any] = {"mode": mode, "description": MODE_HELP.get(mode, mode)}
     if cold is None:
         return {**row, "status": "not run", "error": "no time left to start it"}
@@ -69,6 +73,10 @@ def mode_row(mode: str, cold: dict[str, Any] | None, warm: dict[str, Any] | None
         device=rank0.get("device"),
         pg_backend=rank0.get("pg_backend"),
     )
+    if profiled is not None:
+        ranks = profiled.get("ranks") or [{}]
+        found = ranks[0].get("startup_profile") if profiled["ok"] else None
+        row["startup_profile_warm"] = found or {"error": (profiled.get("errors") or ["failed"])[0]}
     if warm is not None:
         if warm["ok"]:
             row["two_steps_s_warm"] = warm["ranks"][0].get("two_steps_s")
@@ -84,7 +92,8 @@ def aggregate(config: dict[str, Any], jobs: list[dict[str, Any]]) -> dict[str, d
     for mode in config["modes"]:
         cold = next((j for j in jobs if j["mode"] == mode and j["kind"] == "cold"), None)
         warm = next((j for j in jobs if j["mode"] == mode and j["kind"] == "warm"), None)
-        rows[mode] = mode_row(mode, cold, warm)
+        profiled = next((j for j in jobs if j["mode"] == mode and j["kind"] == "warm_profiled"), None)
+        rows[mode] = mode_row(mode, cold, warm, profiled)
     ref, eager = rows.get(REFERENCE, {}), rows.get(EAGER, {})
     for row in rows.values():
         row["step_vs_ref"] = _ratio(row.get("step_ms"), ref.get("step_ms"))

@@ -31,7 +31,8 @@ Inductor graph called: forward, backward or optimizer), `regions` the Dynamo fra
 (`Torch-Compiled Region`), `scalar_reads` the `aten::_local_scalar_dense` calls (`.item()`: a device sync when
 the tensor is on the GPU; on the CPU it cannot be told from a read of a CPU tensor such as the optimizer's step
 count), and on a GPU `syncs` the host's CUDA synchronize calls inside the step. `host_ops` counts the
-host's `aten::` ops in the step (nested ones included) and `host_top` names the most frequent.
+host's `aten::` ops in the step (nested ones included) and `host_top` names the most frequent. `idle_top`
+lists the step's longest stretches without a kernel, with what the host had open when the next one started.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ def step_kernel_stats(events: Sequence[Event]) -> list[dict[str, Any]]:
                 copies=len(copies),
                 syncs=sum("Synchronize" in e.name for e in host),
                 top=_top(mine),
+                idle_top=idle_gaps(mine, host, lo),
             )
         else:
             mine = cpu_leaf_kernels(host)
@@ -184,6 +186,7 @@ def step_kernel_stats(events: Sequence[Event]) -> list[dict[str, Any]]:
                 kernel_ms=sum(e.end_us - e.start_us for e in mine) / 1e3,
                 cpp_kernels=sum(bool(CPP_KERNEL.match(e.name)) for e in mine),
                 top=_top(mine),
+                idle_top=idle_gaps(mine, host, lo),
             )
         out.append(row)
     return out
@@ -198,6 +201,39 @@ def _top(kernels: Sequence[Event], n: int = 8) -> list[dict[str, Any]]:
         ms[e.name] += (e.end_us - e.start_us) / 1e3
     names = sorted(ms, key=lambda name: -ms[name])[:n]
     return [{"name": name[:90], "calls": calls[name], "ms": round(ms[name], 3)} for name in names]
+
+
+def idle_gaps(kernels: Sequence[Event], host: Sequence[Event], start_us: float, n: int = 6) -> list[dict[str, Any]]:
+    """The n longest stretches of the step with no kernel running, longest first: `at_ms` (from the step's
+    start), `ms`, the kernels `before` and `after` it (None before the first: the step's lead), and `host`:
+    the host's ranges open when the next kernel started (outermost first, the last four; runtime calls left
+    out). On a GPU this is where the device waited for the host (or for a sync); on the CPU, where the host
+    ran framework code between compute ops."""
+    spans = sorted(kernels, key=lambda e: e.start_us)
+    gaps = []
+    end, before = start_us, None
+    for e in spans:
+        if e.start_us > end:
+            gaps.append((e.start_us - end, end, before, e))
+        if e.end_us >= end:
+            end, before = e.end_us, e
+    gaps.sort(key=lambda g: -g[0])
+    out = []
+    for length, at, prev, nxt in gaps[:n]:
+        opened = sorted(
+            (h for h in host if h.start_us <= nxt.start_us <= h.end_us and not RUNTIME_CALL.match(h.name)),
+            key=lambda h: (h.start_us, -h.end_us),
+        )
+        out.append(
+            {
+                "at_ms": round((at - start_us) / 1e3, 3),
+                "ms": round(length / 1e3, 3),
+                "before": prev.name[:70] if prev is not None else None,
+                "after": nxt.name[:70],
+                "host": [h.name[:70] for h in opened[-4:]],
+            }
+        )
+    return out
 
 
 def _top_host_ops(host: Sequence[Event], n: int = 12) -> list[list[Any]]:
@@ -238,5 +274,6 @@ def summarize_kernels(events: Sequence[Event]) -> dict[str, Any]:
             out[key] = statistics.median(values)
     out["top"] = steps[-1]["top"]
     out["host_top"] = steps[-1]["host_top"]
-    out["per_step"] = [{k: v for k, v in s.items() if k not in ("top", "host_top")} for s in steps]
+    out["idle_top"] = steps[-1].get("idle_top") or []
+    out["per_step"] = [{k: v for k, v in s.items() if k not in ("top", "host_top", "idle_top")} for s in steps]
     return out

@@ -7,9 +7,11 @@ the other ranks instead of letting them wait in a collective.
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -105,6 +107,8 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     kernel_profile = bool(spec.get("kernel_profile"))
     kernel_error = None
     memory_steps = int(spec.get("memory_profile_steps") or 0)  # after all others: benchmarks/memory_peak.py
+    # the first two steps under cProfile (a warm start-up's Python: where a cache hit still spends its time)
+    startup = cProfile.Profile() if spec.get("startup_profile") else None
     batches = [
         tuple(
             t.to(device)
@@ -148,14 +152,19 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
                         raise
                     kernel_error = f"the profiler did not start: {type(err).__name__}: {err}"
             mark_step = profiler.mark_step() if profiler is not None else contextlib.nullcontext()
+            profiling_startup = startup is not None and i < 2
             clock.start()
             _sync(device)
+            if profiling_startup:
+                startup.enable()
             t0 = time.perf_counter()
             with mark_step:
                 loss = step.run(x, y)
             host_s.append(time.perf_counter() - t0)
             _sync(device)
             step_s.append(time.perf_counter() - t0)
+            if profiling_startup:
+                startup.disable()
             clock.stop(step_s[-1])
             losses.append(float(loss))  # outside the timed region
     if profiled == 0:
@@ -204,6 +213,8 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     }
     if memory_at_peak is not None:
         result["memory_at_peak"] = memory_at_peak
+    if startup is not None:
+        result["startup_profile"] = {"two_steps_s": result["two_steps_s"], **top_functions(startup)}
     if kernel_profile:
         result["kernels"] = _kernels(profiler, kernel_error)
         result["state_mb"] = state_mb  # what the job held between steps, by kind (benchmarks/memory.py)
@@ -259,6 +270,19 @@ def _kernels(profiler, error: str | None) -> dict[str, Any]:
         return summarize_kernels(profiler.events())
     except Exception as err:  # a trace this code cannot read must not cost the job its timings
         return {"measured": False, "reason": f"reading the trace failed: {type(err).__name__}: {err}"}
+
+
+def top_functions(profile: cProfile.Profile, n: int = 20) -> dict[str, list[dict[str, Any]]]:
+    """The `n` functions with the most own time and the `n` with the most cumulative time, as
+    {"where": "dir/file.py:line(name)", "own_s", "cumulative_s", "calls"} (paths cut to their last two parts)."""
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in pstats.Stats(profile).stats.items():
+        where = "/".join(Path(path).parts[-2:]) + f":{line}({name})" if line else name
+        rows.append({"where": where, "own_s": own, "cumulative_s": cumulative, "calls": calls})
+    return {
+        "own": sorted(rows, key=lambda r: -r["own_s"])[:n],
+        "cumulative": sorted(rows, key=lambda r: -r["cumulative_s"])[:n],
+    }
 
 
 def _memory_at_peak(step, x, y, device, held: dict[str, float]) -> tuple[dict[str, Any], Any]:

@@ -51,6 +51,27 @@ def test_gpu_kernels_are_counted_per_step_without_copies_or_mirrored_annotations
     json.dumps(got)
 
 
+def test_the_longest_idle_stretches_name_the_kernels_around_them_and_what_the_host_had_open():
+    from benchmarks.kernels import summarize_kernels
+
+    events = [
+        _ev("bench::step", 0, 500, kind="user_annotation"),
+        _ev("Optimizer.step#AdamW.step", 300, 480, kind="user_annotation"),
+        _ev("aten::_foreach_add_", 400, 450, kind="cpu_op"),
+        _ev("cudaLaunchKernel", 440, 445, kind="cuda_runtime"),  # a runtime call: never named as the host's
+        _ev("k_fwd", 100, 200, device="cuda", kind="kernel"),
+        _ev("k_bwd", 210, 250, device="cuda", kind="kernel"),
+        _ev("k_bwd_tail", 240, 260, device="cuda", kind="kernel"),  # overlaps: no gap between them
+        _ev("k_update", 445, 470, device="cuda", kind="kernel"),
+    ]
+    gaps = summarize_kernels(events)["idle_top"]
+    # 260 -> 445 (185 us, the longest), the lead 0 -> 100, then 200 -> 210
+    assert [(g["at_ms"], g["ms"]) for g in gaps] == [(0.26, 0.185), (0.0, 0.1), (0.2, 0.01)]
+    assert (gaps[0]["before"], gaps[0]["after"]) == ("k_bwd_tail", "k_update")
+    assert gaps[0]["host"] == ["bench::step", "Optimizer.step#AdamW.step", "aten::_foreach_add_"]
+    assert gaps[1]["before"] is None and gaps[1]["after"] == "k_fwd"
+
+
 def test_cpu_kernels_are_leaf_compute_ops_and_inductor_cpp_kernels():
     from benchmarks.kernels import summarize_kernels
 
@@ -264,7 +285,17 @@ def test_a_tiny_cpu_run_writes_the_json_and_the_block(tmp_path):
 
     argv = ["--d-model", "32", "--layers", "1", "--heads", "2", "--vocab", "64", "--compute-batch", "1x8"]
     argv += ["--modes", "eager", "--backend", "eager", "--warmup", "2", "--steps", "2", "--profile-steps", "1"]
-    argv += ["--budget-s", "120", "--warm-modes", "", "--out-dir", str(tmp_path), "--tag", "tiny"]
+    argv += [
+        "--budget-s",
+        "120",
+        "--warm-modes",
+        "eager",
+        "--profile-warm",
+        "--out-dir",
+        str(tmp_path),
+        "--tag",
+        "tiny",
+    ]
     assert gpu.main(argv) == 0
     result = json.loads((tmp_path / "results_fp32_tiny.json").read_text())
     row = result["modes"]["eager"]
@@ -277,6 +308,12 @@ def test_a_tiny_cpu_run_writes_the_json_and_the_block(tmp_path):
     assert peak["held_mb"]["parameters"] > 0 and peak["held_mb"]["optimizer_state"] > 0, peak
     assert peak["peak_mb"] == pytest.approx(sum(peak["held_mb"].values()) + peak["step_peak_mb"])
     assert peak["where"] in ("forward", "backward", "after backward") and peak["step_peak_mb"] > 0, peak
+    # phase C: a warm start-up, then one more with its first two steps under cProfile
+    assert row["two_steps_s_warm"] > 0
+    found = row["startup_profile_warm"]
+    assert found["two_steps_s"] > 0 and len(found["own"]) == len(found["cumulative"]) == 20, found
+    assert any(r["where"].endswith("examples/gpt.py") or "gpt.py:" in r["where"] for r in found["cumulative"]), found
+    assert found["cumulative"][0]["cumulative_s"] <= found["two_steps_s"] * 1.05
     block = (tmp_path / "gpu_fp32_tiny.md").read_text()
     assert block.startswith(GPU_BEGIN)
     assert "| `eager` | " + format(peak["peak_mb"], ".1f") + " | " in block  # the memory table's row
