@@ -37,6 +37,7 @@ def _apply_template(updates: OptimizerInBackward, param: torch.nn.Parameter, gra
     updates.advance_steps(frozenset({id(param)}))
 
 
+@pytest.mark.compat  # the GPU machine's torch is 2.11: the math spliced into its backward is checked there too
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
 @pytest.mark.parametrize("beta1", [0.9, 0.3])
 def test_the_spliced_adam_update_matches_torchs_step(kind, beta1):
@@ -50,8 +51,12 @@ def test_the_spliced_adam_update_matches_torchs_step(kind, beta1):
     ref_param.grad = grad.clone()
     ref_optimizer.step()
     torch.testing.assert_close(param.data, ref_param.data, rtol=1e-6, atol=1e-7)
+    # atol: one rounding at the inputs' scale (|grad| ~ 1). Adam's L2 term `grad + wd * param` is one fused
+    # multiply-add in some builds of torch's CPU kernel (2.11's CUDA wheel) and two roundings in others
+    # (2.13's CPU wheel); where the first moment then cancels, the two differ by a few 1e-9.
     for key in ("exp_avg", "exp_avg_sq", "step"):
-        torch.testing.assert_close(optimizer.state[param][key], ref_optimizer.state[ref_param][key], rtol=1e-6, atol=0)
+        mine, theirs = optimizer.state[param][key], ref_optimizer.state[ref_param][key]
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_the_first_moment_formula_is_fixed_when_the_template_is_captured():
