@@ -17,8 +17,12 @@ operations (non-capturable single-tensor path: weight decay, first and second mo
 corrections, the step). The vector is a graph input: any schedule of lr, betas, momentum or weight
 decay changes values, never the graph.
 
-Notes: results agree with eager torch to rounding (the fused kernel evaluates the same expressions;
-eager's foreach and fused variants compute the same formulas). Complex parameters are not covered
+Notes: each `x + a * b` that torch's step computes as one kernel with a scalar (`add(alpha=)`,
+`addcmul_(value=)`, `lerp_`) is an `addcmul` here, which rounds once as those do (a `mul` then an `add`
+rounds twice); `addcdiv_(value=)` rounds as `value * a / b` then the add, which is how the step is
+written. So the captured math run eagerly gives torch's eager CPU step bit for bit where the capture
+keeps `addcmul` (torch 2.13, 2.14; 2.11's capture decomposes it: within a rounding there). Compiled, the
+fused kernel evaluates the same expressions to rounding, as eager's foreach and fused variants do. Complex parameters are not covered
 (`covers()` says so: they keep torch's own `optimizer.step()`); `support()` says why an optimizer is not.
 """
 
@@ -164,20 +168,20 @@ def adam_math(
         if decoupled:
             param.mul_(s[0])
         else:
-            grad = grad + param * s[0]
+            grad = torch.addcmul(grad, param, s[0])
     if low_lerp is None:
         exp_avg.lerp_(grad, s[1])
     elif low_lerp:
         exp_avg.copy_(torch.addcmul(exp_avg, s[1], grad - exp_avg))
     else:
         exp_avg.copy_(torch.addcmul(grad, -(1 - s[1]), grad - exp_avg))
-    exp_avg_sq.mul_(s[2]).add_(grad * grad * s[3])
+    exp_avg_sq.mul_(s[2]).addcmul_(grad * s[3], grad)
     if max_exp_avg_sq is not None:
         max_exp_avg_sq.copy_(torch.maximum(max_exp_avg_sq, exp_avg_sq))
         denom = max_exp_avg_sq.sqrt() / s[4] + s[6]
     else:
         denom = exp_avg_sq.sqrt() / s[4] + s[6]
-    param.add_(exp_avg / denom * s[5])
+    param.add_(s[5] * exp_avg / denom)
 
 
 def sgd_math(
@@ -194,8 +198,8 @@ def sgd_math(
     if maximize:
         grad = -grad
     if weight_decay:
-        grad = grad + param * s[0]
+        grad = torch.addcmul(grad, param, s[0])
     if buf is not None:
-        buf.mul_(s[1]).add_(grad * s[2])
-        grad = grad + buf * s[1] if nesterov else buf
-    param.add_(grad * s[3])
+        buf.mul_(s[1]).addcmul_(grad, s[2])
+        grad = torch.addcmul(grad, buf, s[1]) if nesterov else buf
+    param.addcmul_(grad, s[3])
