@@ -23,7 +23,8 @@ rounds twice); `addcdiv_(value=)` rounds as `value * a / b` then the add, which 
 written. So the captured math run eagerly gives torch's eager CPU step bit for bit where the capture
 keeps `addcmul` (torch 2.13, 2.14; 2.11's capture decomposes it: within a rounding there). Compiled, the
 fused kernel evaluates the same expressions to rounding, as eager's foreach and fused variants do.
-Complex parameters are not covered (`covers()` says so: they keep torch's own `optimizer.step()`); `support()` says why an optimizer is not.
+Complex parameters are not covered (`covers()` says so: they keep torch's own `optimizer.step()`);
+`support()` says why an optimizer is not.
 """
 
 from __future__ import annotations
