@@ -156,6 +156,10 @@ class TrainStep:
                 scaled = self.grad_scaler.scale(scaled)
             if eager is not None:
                 eager.before_backward(output, scaled)
+            # autograd keeps what the backward needs; a reference held here would keep the whole output (a
+            # language model's logits: the step's largest tensor) alive through the backward, where the
+            # memory peak sits, as the eager loop `loss_fn(model(x), y).backward()` does not
+            del output
             scaled.backward()
         if eager is not None and sync:
             eager.after_sync_backward()
