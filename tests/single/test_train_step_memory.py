@@ -38,4 +38,3 @@ def test_the_models_output_is_dead_when_the_backward_begins(mode):
     for x, y in batches(3):
         step(x, y)
     assert alive_at_backward == [False, False, False]
-
