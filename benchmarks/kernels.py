@@ -15,8 +15,8 @@ annotations where the kind is missing). Per step: how many, the sum of their dur
 union of their intervals (`busy_ms`: the GPU was running something; equal to the sum on one stream).
 
 On the CPU the host runs every kernel itself, so a kernel is a *leaf compute op*: an `aten::` op that is not
-a view, an allocation or a metadata query (`NO_KERNEL_OPS`) and has no such op nested inside it on its thread;
-a foreach op (`aten::_foreach_*`) counted once, without the per-tensor ops it loops over on the CPU (a GPU runs
+a view, an allocation or a metadata query (`NO_KERNEL_OPS`), or a oneDNN op (`EXTERN_CPU_OPS`), with no such
+op nested inside it on its thread; a foreach op (`aten::_foreach_*`) counted once, without the per-tensor ops it loops over on the CPU (a GPU runs
 it as one or a few multi-tensor launches); or an Inductor C++ kernel (`cpp_fused_*`, visible only with
 `TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`, which the GPU benchmark sets on CPU runs). That is roughly one GPU
 launch per counted op: Inductor launches one kernel per fused kernel and calls the same extern ops (mm,
@@ -61,6 +61,9 @@ op nested inside them (to, clone, zeros, ...: their copy_ / fill_ is counted).""
 
 CPP_KERNEL = re.compile(r"^(graph_\d+_)?cpp_")
 """An Inductor C++ kernel's profiler name with the kernel profile on (`graph_<id>_cpp_fused_...`)."""
+EXTERN_CPU_OPS = ("mkldnn::", "onednn::")
+"""Library kernels Inductor's CPU code calls outside aten (a linear with its pointwise epilogue: a GEMM, as
+cuBLAS's would be on a GPU)."""
 GRAPH_CALL = "## Call CompiledFxGraph"
 REGION = "Torch-Compiled Region"
 SCALAR_READ = "aten::_local_scalar_dense"
@@ -98,6 +101,8 @@ def _is_cpu_candidate(e: Event) -> bool:
     if _is_device(e) or e.kind in NON_OP_KINDS:
         return False
     if CPP_KERNEL.match(e.name):
+        return True
+    if e.name.startswith(EXTERN_CPU_OPS):
         return True
     return e.name.startswith("aten::") and e.name not in NO_KERNEL_OPS
 

@@ -92,6 +92,7 @@ def test_cpu_kernels_are_leaf_compute_ops_and_inductor_cpp_kernels():
         _ev("aten::mm", 210, 300, kind="cpu_op"),
         _ev("graph_0_cpp_fused_gelu_0", 310, 400, kind="cpu_op"),
         _ev("graph_0_cpp_fused_add_1", 410, 500, kind="cpu_op"),
+        _ev("mkldnn::_linear_pointwise", 505, 590, kind="cpu_op"),  # a GEMM with its epilogue, from oneDNN
         # an .item() and an op on another thread (the autograd engine's on a GPU rank)
         _ev("aten::item", 700, 720, kind="cpu_op"),
         _ev("aten::_local_scalar_dense", 701, 719, kind="cpu_op"),
@@ -102,9 +103,9 @@ def test_cpu_kernels_are_leaf_compute_ops_and_inductor_cpp_kernels():
     got = summarize_kernels(events)
     assert got["device"] == "cpu" and got["steps"] == 1
     step = got["per_step"][0]
-    assert step["kernels"] == 6  # addmm, copy_, mm, 2 C++ kernels, mul_
+    assert step["kernels"] == 7  # addmm, copy_, mm, 2 C++ kernels, the oneDNN linear, mul_
     assert step["cpp_kernels"] == 2 and step["graph_calls"] == 1 and step["scalar_reads"] == 1
-    assert step["kernel_ms"] == pytest.approx((70 + 34 + 90 + 90 + 90 + 50) / 1e3)
+    assert step["kernel_ms"] == pytest.approx((70 + 34 + 90 + 90 + 90 + 85 + 50) / 1e3)
 
 
 def test_no_step_mark_means_not_measured():
