@@ -14,15 +14,15 @@ record_function ranges onto the GPU timeline; `user_annotation` kinds, or names 
 annotations where the kind is missing). Per step: how many, the sum of their durations (`kernel_ms`) and the
 union of their intervals (`busy_ms`: the GPU was running something; equal to the sum on one stream).
 
-On the CPU the host runs every kernel itself, so a kernel is a *leaf compute op*: an `aten::` op that is not
-a view, an allocation or a metadata query (`NO_KERNEL_OPS`), or a oneDNN op (`EXTERN_CPU_OPS`), with no such
-op nested inside it on its thread; a foreach op (`aten::_foreach_*`) counted once, without the per-tensor ops it loops over on the CPU (a GPU runs
-it as one or a few multi-tensor launches); or an Inductor C++ kernel (`cpp_fused_*`, visible only with
-`TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`, which the GPU benchmark sets on CPU runs). That is roughly one GPU
-launch per counted op: Inductor launches one kernel per fused kernel and calls the same extern ops (mm,
-attention) on either device. `kernel_ms` is then the host's time inside those ops; the rest of the host step
-is the framework's own time: Python, the dispatcher, guards, wrappers, the autograd engine. On a GPU that host
-time runs ahead of the kernels and stays hidden only while it is shorter than the kernels it launches.
+On the CPU the host runs every kernel itself, so a kernel is a *leaf compute op*: an `aten::` op that is not a view,
+an allocation or a metadata query (`NO_KERNEL_OPS`), or a oneDNN op (`EXTERN_CPU_OPS`), with no such op nested
+inside it on its thread; a foreach op (`aten::_foreach_*`) counted once, without the per-tensor ops it loops over on
+the CPU (a GPU runs it as one or a few multi-tensor launches); or an Inductor C++ kernel (`cpp_fused_*`, visible
+only with `TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`, which the GPU benchmark sets on CPU runs). That is roughly
+one GPU launch per counted op: Inductor launches one kernel per fused kernel and calls the same extern ops (mm,
+attention) on either device. `kernel_ms` is then the host's time inside those ops; the rest of the host step is the
+framework's own time: Python, the dispatcher, guards, wrappers, the autograd engine. On a GPU that host time runs
+ahead of the kernels and stays hidden only while it is shorter than the kernels it launches.
 
 Both: `lead_ms` is the time from the step's start to its first kernel's start (a GPU idles that long at the
 start of every step, which begins after the previous step's sync; on the CPU: host work before the first
