@@ -110,7 +110,8 @@ def peak_by_kind(
     inside = [a for a in allocs if a.device == device and step.start_us <= a.ts_us <= step.end_us]
     inside.sort(key=lambda a: a.ts_us)  # stable: events at one time keep the trace's order
     if not inside:
-        return {"measured": False, "reason": f"no allocation on {device} inside the step"}
+        seen = sorted({a.device for a in allocs}) or ["none"]
+        return {"measured": False, "reason": f"no allocation on {device} inside the step (devices seen: {seen})"}
     nodes = [s for s in spans if s.name.startswith(BACKWARD_NODE) and step.start_us <= s.start_us <= step.end_us]
     backward = (min(s.start_us for s in nodes), max(s.end_us for s in nodes)) if nodes else None
     zero_grads = [s for s in spans if s.name.startswith(ZERO_GRAD) and step.start_us <= s.start_us <= step.end_us]
