@@ -34,6 +34,8 @@ worker processes whose timers we cannot see: the runner pins it to 1.
 from __future__ import annotations
 
 import dataclasses
+import pstats
+from pathlib import Path
 from typing import Any, Mapping
 
 FRAME = "_compile.compile_inner"
@@ -172,4 +174,19 @@ def summarize_steps(per_step: list[dict[str, Any]], warmup: int) -> dict[str, An
         "later_warmup_graphs": sum(s["graphs"] for s in later),
         "timed_compile_s": sum(s["compile_s"] for s in timed),
         "timed_steps_with_compile": [warmup + i for i, s in enumerate(timed) if s["compile_s"] > 0],
+    }
+
+
+def top_functions(profile: Any, n: int = 20) -> dict[str, list[dict[str, Any]]]:
+    """Where a start-up spent its Python time, from a `cProfile.Profile` of its first steps (the GPU
+    benchmark's `--profile-warm`; the timers above see compiles only): the `n` functions with the most own
+    time and the `n` with the most cumulative time, as {"where": "dir/file.py:line(name)", "own_s",
+    "cumulative_s", "calls"} (paths cut to their last two parts)."""
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in pstats.Stats(profile).stats.items():
+        where = "/".join(Path(path).parts[-2:]) + f":{line}({name})" if line else name
+        rows.append({"where": where, "own_s": own, "cumulative_s": cumulative, "calls": calls})
+    return {
+        "own": sorted(rows, key=lambda r: -r["own_s"])[:n],
+        "cumulative": sorted(rows, key=lambda r: -r["cumulative_s"])[:n],
     }

@@ -11,7 +11,6 @@ import cProfile
 import datetime
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -214,6 +213,8 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     if memory_at_peak is not None:
         result["memory_at_peak"] = memory_at_peak
     if startup is not None:
+        from benchmarks.breakdown import top_functions
+
         result["startup_profile"] = {"two_steps_s": result["two_steps_s"], **top_functions(startup)}
     if kernel_profile:
         result["kernels"] = _kernels(profiler, kernel_error)
@@ -270,19 +271,6 @@ def _kernels(profiler, error: str | None) -> dict[str, Any]:
         return summarize_kernels(profiler.events())
     except Exception as err:  # a trace this code cannot read must not cost the job its timings
         return {"measured": False, "reason": f"reading the trace failed: {type(err).__name__}: {err}"}
-
-
-def top_functions(profile: cProfile.Profile, n: int = 20) -> dict[str, list[dict[str, Any]]]:
-    """The `n` functions with the most own time and the `n` with the most cumulative time, as
-    {"where": "dir/file.py:line(name)", "own_s", "cumulative_s", "calls"} (paths cut to their last two parts)."""
-    rows = []
-    for (path, line, name), (_, calls, own, cumulative, _) in pstats.Stats(profile).stats.items():
-        where = "/".join(Path(path).parts[-2:]) + f":{line}({name})" if line else name
-        rows.append({"where": where, "own_s": own, "cumulative_s": cumulative, "calls": calls})
-    return {
-        "own": sorted(rows, key=lambda r: -r["own_s"])[:n],
-        "cumulative": sorted(rows, key=lambda r: -r["cumulative_s"])[:n],
-    }
 
 
 def _memory_at_peak(step, x, y, device, held: dict[str, float]) -> tuple[dict[str, Any], Any]:
