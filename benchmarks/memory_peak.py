@@ -188,8 +188,8 @@ def profiled_peak(run_step, *, device: str, held: dict[str, float] | None, trace
     with tp.profile(activities=[tp.ProfilerActivity.CPU], profile_memory=True) as prof:
         with tp.record_function(STEP_MARK):
             run_step()
-    prof.export_chrome_trace(str(path))
     try:
+        prof.export_chrome_trace(str(path))
         allocs, spans = read_trace(path)
     finally:
         path.unlink(missing_ok=True)
