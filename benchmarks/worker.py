@@ -295,6 +295,8 @@ def _memory_at_peak(step, x, y, device, held: dict[str, float]) -> tuple[dict[st
         if not out:  # the step itself failed: that is the job's error
             raise
         found = {"measured": False, "reason": f"reading the memory profile failed: {type(err).__name__}: {err}"}
+    finally:
+        Path(path).unlink(missing_ok=True)
     return found, out[0]
 
 
