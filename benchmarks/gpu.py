@@ -371,8 +371,8 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
 def _profile_lines(found: dict[str, Any], n: int = 12) -> list[str]:
     """The start-up profile's top functions by own time, then by cumulative time, one per line."""
     out = []
-    for key, label in (("own", "own"), ("cumulative", "cumulative")):
-        out.append(f"  by {label} time (own s, cumulative s, calls):")
+    for key in ("own", "cumulative"):
+        out.append(f"  by {key} time (own s, cumulative s, calls):")
         for r in found.get(key, [])[:n]:
             out.append(f"    {r['own_s']:8.2f} {r['cumulative_s']:8.2f} {r['calls']:>8}  {r['where']}")
     return out

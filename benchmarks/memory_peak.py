@@ -153,9 +153,10 @@ def peak_by_kind(
         **_where(at, backward),
     }
     if held is not None:
-        held_mb = {k: v for k, v in held.items() if k != "gradient_bytes"}
-        out["held_mb"] = held_mb
-        out["peak_mb"] = sum(held_mb.values()) + out["step_peak_mb"]
+        from benchmarks.memory import held_mb
+
+        out["held_mb"] = {k: v for k, v in held.items() if k != "gradient_bytes"}
+        out["peak_mb"] = held_mb(held) + out["step_peak_mb"]
     return out
 
 

@@ -162,7 +162,7 @@ class OptimizerInBackward:
         fn = _update_function(self.optimizer, group, state_keys)
         # In Inductor's terms (what a graph spliced after partitioning must be), fine for aot_eager too.
         graph, positions = capture_functional(fn, args, decompositions=decompositions())
-        return UpdateTemplate(graph=graph, positions=tuple(positions), state_keys=state_keys, hyper_keys=("scalars",))
+        return UpdateTemplate(graph=graph, positions=tuple(positions), state_keys=state_keys)
 
 
 def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:

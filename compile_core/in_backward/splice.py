@@ -44,11 +44,10 @@ class UpdateTemplate:
     graph: fx.GraphModule
     """Inputs in Dynamo's order; its only in-place ops are `copy_` into the parameter and state."""
     positions: tuple[int | None, ...]
-    """Graph input position of each role: param, grad, *state tensors, *hyperparameter tensors."""
+    """Graph input position of each role: param, grad, *state tensors, then the row of scalars
+    (`optim_math.scalars`)."""
     state_keys: tuple[str, ...]
     """Keys of `optimizer.state[p]` passed as state tensors, in role order."""
-    hyper_keys: tuple[str, ...]
-    """The scalar tensors that follow the state tensors (("scalars",): one row of `optim_math.scalars`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +81,7 @@ class SplicedUpdates:
         return repr(
             (
                 _CODE_HASH,
-                sorted((i, t.graph.code, t.positions, t.state_keys, t.hyper_keys) for i, t in u.templates.items()),
+                sorted((i, t.graph.code, t.positions, t.state_keys) for i, t in u.templates.items()),
                 sorted(u.role_inputs.items()),
                 sorted(u.scalar_rows.items()),
                 u.clip_max_norm,
@@ -207,8 +206,8 @@ def _apply_update(
     """Copy the parameter's update template into the backward, on the real parameter and state."""
     template = updates.templates[index]
     roles = [input_node(index), grad] + [input_node(i) for i in updates.role_inputs[index]]
-    if index in updates.scalar_rows:  # the template takes one row of the table the parameters share
-        roles[-1] = builder.call(_ops.select.int, [roles[-1], 0, updates.scalar_rows[index]])
+    # the template takes one row of the table its group's parameters share
+    roles[-1] = builder.call(_ops.select.int, [roles[-1], 0, updates.scalar_rows[index]])
     placeholders = [n for n in template.graph.graph.nodes if n.op == "placeholder"]
     env: dict[fx.Node, Any] = {}
     for role, position in zip(roles, template.positions):

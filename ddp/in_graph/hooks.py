@@ -170,10 +170,8 @@ class BackwardHook(Protocol):
 class StepOutcome:
     """The reducer after a synchronising backward (`InGraphReducer.step_outcome`)."""
 
-    hook_ran: bool
-    """A graph whose hook used gradients up ran in this step's backward."""
     used_up: frozenset[int]
-    """The ids of the parameters whose gradient a hook used up in that backward (empty: none)."""
+    """The ids of the parameters whose gradient a hook used up in this step's backward (empty: none)."""
     hook_reason: str | None
     """Why the last graph compiled in a hooked variant does not use its hook (None: it does)."""
     skipped: tuple[str, ...]
@@ -190,3 +188,8 @@ class StepOutcome:
     """Whether the compiled backward reduces (else DDP's reducer does, with the user's comm hook)."""
     not_in_graph_reason: str | None
     """Why it does not, for people."""
+
+    @property
+    def hook_ran(self) -> bool:
+        """A graph whose hook used gradients up ran in this step's backward."""
+        return bool(self.used_up)

@@ -150,7 +150,6 @@ class InGraphReducer:
     def step_outcome(self) -> StepOutcome:
         """The reducer after the last synchronising backward."""
         return StepOutcome(
-            hook_ran=bool(self._consumed),
             used_up=frozenset(self._consumed),
             hook_reason=self._hook_reason,
             skipped=self._skipped,
