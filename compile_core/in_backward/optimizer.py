@@ -13,7 +13,6 @@ from typing import Any, Callable
 import torch
 
 from aot.torch_dynamo import capture_functional
-from aot.torch_eager import add_to_each
 from compile_core.in_backward.splice import UpdateTemplate
 from compile_core.step import optim_math
 from inductor.torch_inductor import decompositions
@@ -47,6 +46,7 @@ class OptimizerInBackward:
         through ints, not through `Tensor.__hash__` (a Python call per lookup, hundreds per update)."""
         self._with_state: list[torch.nn.Parameter] = []  # the parameters that had optimizer state at `prepare`
         self._state_watch = optim_math.StateWatch(optimizer)  # marked at `prepare` and while nothing is lost
+        self._steps = optim_math.KnownSteps()  # the step counts as the host last read or advanced them
 
     def prepare(self) -> None:
         """Capture one template per (group, dtype, device) that has a parameter with optimizer state
@@ -92,7 +92,7 @@ class OptimizerInBackward:
             group = self.optimizer.param_groups[index]
             if adam:
                 counted = [i for i, p in enumerate(members) if "step" in state_of.get(id(p), ())]
-                known = optim_math.next_steps([state_of[id(members[i])]["step"] for i in counted])
+                known = self._steps.next_steps([(id(members[i]), state_of[id(members[i])]["step"]) for i in counted])
                 steps = [1.0] * len(members)
                 for i, s in zip(counted, known):
                     steps[i] = s
@@ -103,13 +103,14 @@ class OptimizerInBackward:
     def advance_steps(self, updated: frozenset[int]) -> None:
         """After a backward that updated the parameters with these ids: their step counts + 1, as torch's
         step does, in one foreach op (on the host, not in the graph: as graph inputs the counts, 0-dim CPU
-        tensors, cost an input each at every call, and a CPU kernel beside a GPU graph's)."""
+        tensors, cost an input each at every call, and a CPU kernel beside a GPU graph's). The host keeps
+        what it wrote (`KnownSteps`): the next update reads back only counts someone else changed."""
         if not optim_math.is_adam(self.optimizer) or not updated:
             return
         state_of = self._state_of
-        counts = [state_of[i]["step"] for i in updated if "step" in state_of.get(i, ())]
+        counts = [(i, state_of[i]["step"]) for i in updated if "step" in state_of.get(i, ())]
         if counts:
-            add_to_each(counts, 1)
+            self._steps.advance(counts)
 
     def _ready(self, param: torch.nn.Parameter, group: dict) -> bool:
         """Whether `param` has the optimizer state its update reads (a parameter that never had a

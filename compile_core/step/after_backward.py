@@ -1,5 +1,6 @@
 """The update paths that run after the backward: compiled (`CompiledPath`), eager (`EagerPath`), torch's fused
-step (`FusedStepPath`), with a GradScaler (`ScalerPath`). Each is an `UpdatePath` (compile_core/step/update_path.py).
+step (`FusedStepPath`: the user's `fused=True`, or a multi-tensor Adam/AdamW run fused, compile_core/step/fused.py),
+with a GradScaler (`ScalerPath`). Each is an `UpdatePath` (compile_core/step/update_path.py).
 
 `CompiledPath` compiles clip + step at its first update, per repeated block (`ChunkedUpdate`, for SGD,
 Adam and AdamW) or as one `optimizer.step()` (`CompiledUpdate`, any optimizer; the hyperparameters pinned
@@ -18,6 +19,7 @@ import torch
 from aot.torch_dynamo import DynamoError, cause_chain
 from compile_core.reuse.compile_once import job_rank
 from compile_core.step.chunked_update import ChunkedUpdate
+from compile_core.step.fused import FusedWhileStepping
 from compile_core.step.update import CompiledUpdate, chunking_blocker, clip_and_step
 from compile_core.step.update_path import NOT_IN_BACKWARD, EagerMicroBatch, UpdateContext, optimizer_report
 from inductor.torch_inductor import disk_caches_enabled
@@ -52,7 +54,18 @@ class EagerPath:
 
 
 class FusedStepPath(EagerPath):
-    """clip + torch's fused `optimizer.step()`, uncompiled by choice (`reason`: `fused_step`'s)."""
+    """clip + torch's fused `optimizer.step()`, uncompiled by choice (`reason`: `fused_step`'s, or
+    `fused_instead`'s with `while_stepping` setting the groups to fused while the step runs)."""
+
+    def __init__(self, ctx: UpdateContext, reason: str, while_stepping: FusedWhileStepping | None = None) -> None:
+        super().__init__(ctx, reason)
+        self._while_stepping = while_stepping
+
+    def apply(self, index: int) -> torch.Tensor | None:
+        if self._while_stepping is None:
+            return super().apply(index)
+        with self._while_stepping.applied():
+            return super().apply(index)
 
     def mode(self) -> str:
         return "eager (fused)"

@@ -33,6 +33,8 @@ from typing import Sequence
 
 import torch
 
+from aot.torch_eager import add_to_each, version_of
+
 ADAM_SCALARS = (
     "weight_decay_or_decay",
     "one_minus_beta1",
@@ -110,6 +112,48 @@ def next_steps(step_counts: Sequence[torch.Tensor]) -> list[float]:
         for i, value in zip(indices, torch.stack([step_counts[i] for i in indices]).tolist()):
             steps[i] = float(value) + 1
     return steps  # type: ignore[return-value]
+
+
+class KnownSteps:
+    """Each parameter's step count as the host last read or advanced it, so that an update reads only the
+    counts it cannot vouch for (`next_steps`): on a GPU a count on the device would wait for the stream, and
+    every read is a dispatched op per parameter.
+
+    A count is vouched for while it is the same tensor at the version the host left it at: any in-place
+    write (torch's own step, a user's `+=`) moves its version (`aot/torch_eager.py: version_of`), and a
+    loaded or cleared state brings another tensor."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[torch.Tensor, int, float]] = {}
+        """key -> (the count tensor, its version then, its value then)."""
+
+    def next_steps(self, counts: Sequence[tuple[int, torch.Tensor]]) -> list[float]:
+        """For each (key, count tensor): the step the next update brings it to (its value + 1)."""
+        known, steps = self._known, [0.0] * len(counts)
+        unread: list[int] = []
+        for i, (key, count) in enumerate(counts):
+            entry = known.get(key)
+            if entry is not None and entry[0] is count and version_of(count) == entry[1]:
+                steps[i] = entry[2] + 1
+            else:
+                unread.append(i)
+        if unread:
+            for i, step in zip(unread, next_steps([counts[i][1] for i in unread])):
+                key, count = counts[i]
+                known[key] = (count, version_of(count), step - 1)
+                steps[i] = step
+        return steps
+
+    def advance(self, counts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Each count + 1 in place (one foreach op per device), still vouched for where it was before."""
+        add_to_each([count for _, count in counts], 1)
+        known = self._known
+        for key, count in counts:
+            entry = known.get(key)
+            if entry is not None and entry[0] is count and version_of(count) == entry[1] + 1:
+                known[key] = (count, entry[1] + 1, entry[2] + 1)
+            else:
+                known.pop(key, None)
 
 
 def scalars(

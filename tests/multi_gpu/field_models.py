@@ -197,6 +197,14 @@ def clear_optimizer_state_at_update_3(model: nn.Module, opt: torch.optim.Optimiz
         opt.state.clear()
 
 
+def rewind_step_counts_at_update_3(model: nn.Module, opt: torch.optim.Optimizer, micro_batch: int) -> None:
+    """A script that restarts Adam's bias correction between phases by writing its step counts in place
+    (`state["step"].zero_()`): the same tensors, new values, which torch's next step reads."""
+    if micro_batch == 2:
+        for state in opt.state.values():
+            state["step"].zero_()
+
+
 def load_checkpoint_without_head_state_at_update_3(
     model: nn.Module, opt: torch.optim.Optimizer, micro_batch: int
 ) -> None:

@@ -34,6 +34,7 @@ from tests.multi_gpu.field_models import (
     load_checkpoint_without_head_state_at_update_3,
     regioned_first_block_frozen,
     regression_data,
+    rewind_step_counts_at_update_3,
     unfreeze_at_update_3,
 )
 from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
@@ -188,6 +189,9 @@ SCENARIOS = {
     ),
     "checkpoint_without_head_state_at_update_3": lambda r: _step(
         r, _script(make_opt=adamw, before_step_opt=load_checkpoint_without_head_state_at_update_3)
+    ),
+    "step_counts_rewound_at_update_3": lambda r: _step(
+        r, _script(make_opt=adamw, before_step_opt=rewind_step_counts_at_update_3)
     ),
     "momentum_cleared_at_update_3": lambda r: _step(
         r, _script(make_opt=sgd_momentum_foreach, before_step_opt=clear_optimizer_state_at_update_3)
@@ -374,6 +378,15 @@ def test_a_param_group_added_after_update_2_is_updated_with_its_own_lr(results):
         assert _iob(r)["active"] and _iob(r)["updates_in_backward"] == UPDATES - 1, _iob(r)
         for name in FROZEN_UNTIL:
             assert not r["params"][name].equal(r["initial"][name]), f"{name} was never updated"
+
+
+def test_step_counts_written_in_place_at_update_3_are_read_again(results):
+    """The script zeroes its Adam step counts in place before update 3 (the same tensors): the backward's
+    update reads them afresh (their versions moved, so the counts the host advanced itself no longer stand)
+    and corrects its bias from step 1 again, as torch's step does; every update stays inside the backward."""
+    per_rank = ok(results, "step_counts_rewound_at_update_3")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    _assert_in_backward(per_rank)
 
 
 @pytest.mark.parametrize(

@@ -99,12 +99,12 @@ def test_adamw_cosine_accumulation_matches_eager_ddp_on_two_ranks(impl):
 
     for rank, r in enumerate(results):
         assert r["updates"] == UPDATES
-        if impl == "fused":
+        if impl in ("fused", "foreach"):  # foreach: torch's fused step, fused=True only while it steps
             assert "fused=True" in (r["optimizer"]["as_is"] or "") and r["optimizer"]["graphs"] == 0, r["optimizer"]
         else:
             assert r["optimizer"]["compiled"], (rank, r["optimizer"])
         if impl == "foreach":
-            assert "foreach=True" in r["optimizer"]["whole_step_reason"], r["optimizer"]
+            assert "foreach=True" in r["optimizer"]["as_is"], r["optimizer"]
         assert [x for x in r["optimizer"]["recompiles"] if x["update"] > 2] == [], r["optimizer"]["recompiles"]
         assert r["lr"] == pytest.approx(r["ref_lr"], rel=1e-9)
         assert any(not np.array_equal(p, q) for p, q in zip(r["params"], r["initial"])), "training changed nothing"

@@ -207,6 +207,30 @@ def test_the_next_step_of_each_parameter_is_read_as_torch_counts_it():
     assert optim_math.next_steps([]) == []
 
 
+def test_step_counts_the_host_advanced_are_not_read_back_until_someone_else_writes_them(monkeypatch):
+    """`KnownSteps`: a count is read once; after the host's own advance it is vouched for (no read, no
+    dispatched op, no device sync); a write by anyone else (same tensor, new version) or a new tensor (a
+    loaded state) is read again."""
+    from compile_core.step import optim_math
+
+    reads = []
+    real = optim_math.next_steps
+    monkeypatch.setattr(optim_math, "next_steps", lambda counts: reads.append(len(counts)) or real(counts))
+    a, b = torch.tensor(3.0), torch.tensor(7.0)
+    known = optim_math.KnownSteps()
+    assert known.next_steps([(1, a), (2, b)]) == [4.0, 8.0] and reads == [2]
+    known.advance([(1, a), (2, b)])
+    assert (float(a), float(b)) == (4.0, 8.0)
+    assert known.next_steps([(1, a), (2, b)]) == [5.0, 9.0] and reads == [2]  # vouched for: nothing read
+    b.zero_()  # torch's own step, or a user rewinding the bias correction
+    assert known.next_steps([(1, a), (2, b)]) == [5.0, 1.0] and reads == [2, 1]
+    c = torch.tensor(10.0)  # a loaded state: another tensor under the same key
+    assert known.next_steps([(1, c), (2, b)]) == [11.0, 1.0] and reads == [2, 1, 1]
+    b.add_(1)  # written between the read and the host's advance: not vouched for after it
+    known.advance([(2, b)])
+    assert known.next_steps([(2, b)]) == [3.0] and reads == [2, 1, 1, 1]
+
+
 def test_a_param_group_shares_one_scalar_table_and_step_counts_advance_on_the_host():
     """Every input of the compiled backward costs host time at each call: the update reads one table of
     scalars per param group and device (a row per parameter, each for that parameter's own step count), and

@@ -249,13 +249,49 @@ class _Sub(torch.Tensor):
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_fused_kernel_devices_are_the_ones_adams_fused_step_accepts():
+    with canary("aot/torch_eager.py:fused_kernel_devices"):
+        devices = torch_eager.fused_kernel_devices()
+        assert "cuda" in devices and "cpu" in devices, devices
+        # the list Adam checks its parameters against under fused=True: a CPU parameter steps fused here
+        p = nn.Parameter(torch.ones(3))
+        p.grad = torch.full((3,), 0.5)
+        opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+        opt.step()
+        assert opt.state[p]["step"].device == p.device and opt.state[p]["step"].dtype == torch.float32
+        assert float(p.detach()[0]) < 1.0
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_add_to_each_advances_every_tensor_in_place():
     with canary("aot/torch_eager.py:add_to_each"):
         counts = [torch.tensor(0.0), torch.tensor(5.0), torch.tensor(41.0)]
         before = [c.data_ptr() for c in counts]
+        versions = [torch_eager.version_of(c) for c in counts]
         torch_eager.add_to_each(counts, 1)
         assert [float(c) for c in counts] == [1.0, 6.0, 42.0]
         assert [c.data_ptr() for c in counts] == before
+        # each count's version moves by exactly one (the in-backward update trusts counts it advanced itself)
+        assert [torch_eager.version_of(c) for c in counts] == [v + 1 for v in versions]
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_version_of_counts_in_place_writes_and_not_reads():
+    with canary("aot/torch_eager.py:version_of"):
+        t = torch.tensor(3.0)
+        v = torch_eager.version_of(t)
+        assert float(t + 1) == 4.0 and torch_eager.version_of(t) == v  # a read
+        t.add_(1)
+        t.view(1)[0] = 7.0  # through a view
+        assert torch_eager.version_of(t) == v + 2
+        p = nn.Parameter(torch.ones(2))
+        p.grad = torch.ones(2)
+        opt = torch.optim.AdamW([p], foreach=True)
+        opt.step()
+        count = opt.state[p]["step"]
+        before = torch_eager.version_of(count)
+        opt.step()  # torch's own step advances the count in place
+        assert torch_eager.version_of(count) > before
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.

@@ -5,6 +5,7 @@ report) for an optimizer Dynamo cannot trace or a backend that fails on the upda
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
@@ -68,25 +69,86 @@ def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
     assert "per block" in str(step.report())
 
 
-@pytest.mark.parametrize(
-    "make_opt, flag",
-    [
-        (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True), "foreach=True"),
-        (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True), "foreach=True"),
-    ],
-    ids=["adamw_foreach", "sgd_momentum_foreach"],
-)
-def test_a_multi_tensor_update_is_compiled_whole_like_torch_compile_of_the_step(make_opt, flag):
-    """foreach (torch's default on CUDA): the whole step is one graph of multi-tensor ops, as
+def test_a_multi_tensor_update_is_compiled_whole_like_torch_compile_of_the_step():
+    """foreach (torch's default on CUDA) SGD: the whole step is one graph of multi-tensor ops, as
     torch.compile(optimizer.step) makes it, not one compiled call per block of single-tensor math."""
-    step = _blocks_trained_like_eager(make_opt)
+    step = _blocks_trained_like_eager(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True))
     opt_report = step.report().to_dict()["optimizer"]
     assert opt_report["compiled"] and not opt_report["per_block"], opt_report
-    assert f"param group 0 has {flag}" in opt_report["whole_step_reason"], opt_report
+    assert "param group 0 has foreach=True" in opt_report["whole_step_reason"], opt_report
     # one graph of the whole step (SGD's momentum buffers, created at update 1, recompile it once at update 2,
     # as they do torch.compile(optimizer.step))
     assert all(r["name"].startswith("update.graph_") for r in opt_report["graph_compiles"]), opt_report
     assert [r for r in opt_report["recompiles"] if r["update"] > 2] == [], opt_report
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_a_foreach_adam_steps_as_torchs_fused_kernel_and_keeps_the_users_flags(opt_cls):
+    """foreach Adam/AdamW (torch's default on CUDA): compiled whole, its step was the largest compile of a train
+    step on a GPU; torch's fused kernel does the same update with nothing to compile. The groups say fused only
+    while it steps: the live groups and the checkpoint keep the user's flags, and a second optimizer built
+    from that checkpoint steps as torch's own foreach step."""
+    seen = []
+
+    def make_opt(ps):
+        opt = opt_cls(ps, lr=1e-2, weight_decay=0.1, foreach=True)
+        opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(o.param_groups[0]["fused"]))
+        return opt
+
+    step = _blocks_trained_like_eager(make_opt)
+    opt_report = step.report().to_dict()["optimizer"]
+    assert not opt_report["compiled"] and opt_report["graphs"] == 0 and not opt_report["per_block"], opt_report
+    assert "param group 0 has foreach=True" in opt_report["as_is"] and "fused=True" in opt_report["as_is"]
+    assert opt_report["fallback_error"] is None, opt_report
+    assert seen == [True] * 4 + [None] * 4, seen  # ours, then the eager reference's own foreach steps
+    opt = step.optimizer
+    group = opt.param_groups[0]
+    assert group["foreach"] is True and not group["fused"], group
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["foreach"] is True and not saved["param_groups"][0]["fused"]
+    assert all(float(s["step"]) == 4.0 for s in saved["state"].values())
+
+
+def test_a_foreach_adamw_with_fused_false_stays_compiled():
+    """`fused=False` said outright (torch's default is None) is the user's choice: the step is compiled whole."""
+    step = _blocks_trained_like_eager(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True, fused=False))
+    opt_report = step.report().to_dict()["optimizer"]
+    assert opt_report["compiled"] and opt_report["as_is"] is None, opt_report
+    assert "param group 0 has foreach=True" in opt_report["whole_step_reason"], opt_report
+
+
+def test_a_foreach_adam_steps_fused_after_a_state_with_host_step_counts_is_loaded():
+    """A checkpoint of a plain foreach run keeps its step counts as it made them (on the host, in the default
+    dtype: float64 here, as under `torch.set_default_dtype(torch.float64)`); loaded mid-run, the fused step
+    puts each count where its kernel reads it (the parameter's device, float32: on a GPU a host count would
+    not do) and goes on as eager DDP does."""
+    from tests.single.ddp_helpers import Blocks
+
+    def setup():
+        torch.manual_seed(0)
+        model = DDP(Blocks(width=16))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(6)]
+    ref_model, ref_opt = setup()
+    eager_ddp_run(ref_model, ref_opt, None, data[:3])
+    saved = copy.deepcopy(ref_opt.state_dict())  # state_dict() holds the live state tensors
+    saved["state"] = {k: {**v, "step": v["step"].double()} for k, v in saved["state"].items()}
+    checkpoint = {k: v.clone() for k, v in ref_model.state_dict().items()}, saved
+    eager_ddp_run(ref_model, ref_opt, None, data[3:])
+
+    model, opt = setup()
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    step(*data[0])  # the state the checkpoint replaces
+    model.load_state_dict(checkpoint[0])
+    opt.load_state_dict(checkpoint[1])
+    assert all(s["step"].dtype == torch.float64 and float(s["step"]) == 3.0 for s in opt.state.values())
+    for x, y in data[3:]:
+        step(x, y)
+    assert_params_close(model, ref_model)
+    counts = [s["step"] for s in opt.state.values()]
+    assert all(c.dtype == torch.float32 and float(c) == 6.0 for c in counts), counts
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])

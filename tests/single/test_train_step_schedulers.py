@@ -1,6 +1,6 @@
 """LR schedulers driven by compile_core.train_step (one process, DDP-wrapped models, compared with eager DDP):
 the learning rate changes without recompiling the optimizer update after warm-up, the recompile counter does
-see a real recompile with its reason, and foreach AdamW with a scheduler keeps the user's flags and floats in
+see a real recompile with its reason, and foreach Adamax/AdamW with a scheduler keep the user's flags and floats in
 the live param groups and the checkpoint."""
 
 from __future__ import annotations
@@ -70,14 +70,16 @@ def test_recompile_counter_sees_real_recompiles():
     assert any(r["update"] == 4 and "maximize" in r["reason"] for r in recompiles), recompiles
 
 
-def test_foreach_adamw_with_scheduler_matches_eager_and_checkpoints_user_flags():
-    """foreach=True refuses a tensor LR unless capturable=True: our compiled update sets it while it
-    runs; the live groups and the checkpoint keep the user's flags and floats."""
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adamax, torch.optim.AdamW])
+def test_foreach_adam_kind_with_scheduler_matches_eager_and_checkpoints_user_flags(opt_cls):
+    """foreach=True refuses a tensor LR unless capturable=True: our compiled update (Adamax) sets it while
+    it runs; AdamW runs as torch's fused step (fused=True while it steps, compile_core/step/fused.py). Either
+    way the live groups and the checkpoint keep the user's flags and floats."""
     data = batches(6)
 
     def setup():
         model = DDP(tiny_model())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        opt = opt_cls(model.parameters(), lr=1e-2, foreach=True)
         return model, opt, CosineAnnealingLR(opt, T_max=6)
 
     model, opt, sched = setup()
@@ -89,7 +91,12 @@ def test_foreach_adamw_with_scheduler_matches_eager_and_checkpoints_user_flags()
 
     assert_params_close(model, ref_model)
     opt_report = step.report().to_dict()["optimizer"]
-    assert opt_report["compiled"] and [r for r in opt_report["recompiles"] if r["update"] > 2] == []
+    if opt_cls is torch.optim.AdamW:
+        assert not opt_report["compiled"] and "fused=True" in opt_report["as_is"], opt_report
+    else:
+        assert opt_report["compiled"] and [r for r in opt_report["recompiles"] if r["update"] > 2] == []
     assert opt.param_groups[0]["capturable"] is False and isinstance(opt.param_groups[0]["lr"], float)
+    assert not opt.param_groups[0].get("fused")
     saved = opt.state_dict()["param_groups"][0]
     assert saved["capturable"] is False and saved["foreach"] is True and isinstance(saved["lr"], float)
+    assert not saved.get("fused")
