@@ -21,6 +21,7 @@ MODES: tuple[str, ...] = (
     "torch_python_reducer",
     "torch_reducer_overlap",
     "torch_savvy",
+    "torch_fused",
     "torch_savvy_one_rank",
     "torch_savvy_megacache",
     "ours_compile",
@@ -43,6 +44,8 @@ MODE_HELP: dict[str, str] = {
     "torch_python_reducer": "compiled autograd + optimize_ddp='python_reducer' + eager optimizer",
     "torch_savvy": "torch.compile(ddp_model) (DDPOptimizer) + torch.compile'd optimizer.step(): the strongest "
     "PyTorch-only setup",
+    "torch_fused": "torch.compile(ddp_model) (DDPOptimizer) + the optimizer's fused step (fused=True), eagerly: "
+    "no update compiled, as train_step runs a foreach Adam/AdamW",
     "torch_reducer_overlap": "compiled autograd + optimize_ddp='python_reducer', the backward's all-reduces bucketed "
     "and placed by Inductor's overlap scheduler (collective_bucketing) instead of DDP's concat fusion, + "
     "torch.compile'd optimizer.step()",

@@ -51,6 +51,7 @@ from benchmarks.workloads import Workload
 GPU_MODES = (
     "eager",
     "torch_savvy",
+    "torch_fused",
     "torch_ddpopt",
     "ours_compile",
     "ours_step",

@@ -4,7 +4,7 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu_bench.sh                      # fp32 (start-up is read cold in fp32)
 #   OUT=/some/dir bash benchmarks/gpu_bench.sh bf16 --warm-modes ''  # the bf16 autocast half
-#   OUT=/some/dir bash benchmarks/gpu_bench.sh fp32,bf16             # both in one run: 14 compiles side by side
+#   OUT=/some/dir bash benchmarks/gpu_bench.sh fp32,bf16             # both in one run: 16 compiles side by side
 #
 # Arguments after the precision go to `python -m benchmarks.gpu` (--modes, --parallel, --warm-modes, ...).
 # Cold compiles run side by side, every timed step alone on the GPU, and a budget (BUDGET_S, default 540 s) stops

@@ -46,6 +46,7 @@ BUILDERS: dict[str, Callable[[ModeContext], Step]] = {
     "torch_nosplit": modes_torch.build_torch_nosplit,
     "torch_python_reducer": modes_torch.build_torch_python_reducer,
     "torch_savvy": modes_torch.build_torch_savvy,
+    "torch_fused": modes_torch.build_torch_fused,
     "torch_reducer_overlap": modes_torch.build_torch_reducer_overlap,
     "torch_savvy_one_rank": modes_torch.build_torch_savvy_one_rank,
     "torch_savvy_megacache": modes_torch.build_torch_savvy_megacache,

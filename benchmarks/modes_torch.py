@@ -114,6 +114,20 @@ def build_torch_savvy(ctx: ModeContext, first_step: Callable[..., None] | None =
     )
 
 
+def build_torch_fused(ctx: ModeContext) -> Step:
+    """torch.compile(ddp_model) (DDPOptimizer) + the optimizer's own fused step, eagerly (`fused=True` set on its
+    groups before step 1): what a user who read the optimizer docs ("fused is typically fastest") does instead
+    of compiling the step. It compiles no update at all; train_step runs a foreach Adam/AdamW this way too
+    (compile_core/step/fused.py), so this separates our layer from the choice of update kernel."""
+    optimizer = ctx.optimizer
+    if not any(type(optimizer) is cls for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
+        raise ModeUnavailable(f"{type(optimizer).__name__} has no fused step in torch (Adam, AdamW and SGD do)")
+    for group in optimizer.param_groups:
+        group["foreach"], group["fused"] = False, True
+    step = _build_torch_compile(ctx)
+    return Step(run=step.run, info=lambda: {**step.info(), "optimizer_compiled": "no: torch's fused step"})
+
+
 def build_torch_python_reducer(ctx: ModeContext, optimizer_step: Callable[[], None] | None = None) -> Step:
     # a --comm-hook runs here too: the python reducer calls it once per parameter with (grad, param), which
     # torch's compress hooks take (they all-reduce that gradient in 16 bits, traced by compiled autograd).

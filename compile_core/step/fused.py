@@ -73,9 +73,20 @@ def _fusable(group: dict, devices: list[str]) -> bool:
     if group.get("differentiable") or group.get("fused") is False:
         return False
     return all(
-        p.device.type in devices and p.is_floating_point() and not p.is_sparse and not p.is_complex()
+        p.device.type in devices and p.is_floating_point() and not p.is_sparse and not p.is_complex() and _dense(p)
         for p in group["params"]
     )
+
+
+def _dense(p: torch.Tensor) -> bool:
+    """Contiguous in some memory format: on CUDA the fused kernel refuses a parameter whose gradient and state
+    do not share its strides, which autograd and `zeros_like` only promise for a dense layout; a parameter
+    that is a strided view keeps the compiled step."""
+    if p.is_contiguous():
+        return True
+    if p.dim() == 4:
+        return p.is_contiguous(memory_format=torch.channels_last)
+    return p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d)
 
 
 class FusedWhileStepping:

@@ -117,6 +117,20 @@ def test_a_foreach_adamw_with_fused_false_stays_compiled():
     assert "param group 0 has foreach=True" in opt_report["whole_step_reason"], opt_report
 
 
+def test_a_foreach_adamw_over_a_strided_view_parameter_stays_compiled():
+    """A parameter that is a strided view (not dense in any memory format): torch's CUDA fused kernel refuses a
+    gradient or state that does not share its strides, so the step stays compiled whole."""
+    from compile_core.step.fused import fused_instead
+
+    dense = nn.Parameter(torch.zeros(4, 4))
+    strided = nn.Parameter(torch.zeros(4, 8)[:, ::2])
+    channels_last = nn.Parameter(torch.zeros(2, 3, 4, 4).to(memory_format=torch.channels_last))
+    assert fused_instead(torch.optim.AdamW([dense, channels_last], foreach=True)) is not None
+    assert fused_instead(torch.optim.AdamW([dense, strided], foreach=True)) is None
+    assert fused_instead(torch.optim.SGD([dense], foreach=True)) is None  # only Adam and AdamW
+    assert fused_instead(torch.optim.AdamW([dense], foreach=False)) is None  # the per-parameter loop
+
+
 def test_a_foreach_adam_steps_fused_after_a_state_with_host_step_counts_is_loaded():
     """A checkpoint of a plain foreach run keeps its step counts as it made them (on the host, in the default
     dtype: float64 here, as under `torch.set_default_dtype(torch.float64)`); loaded mid-run, the fused step
