@@ -59,8 +59,8 @@ class UpdatesHook:
         for i, template in templates.items():
             param = params[i]
             roles = [
-                inputs.add(torch.zeros_like(t), lambda p=param, t=template, k=k: provider.states(p, t)[k])
-                for k, t in enumerate(provider.states(param, template))
+                inputs.add(torch.zeros_like(t), lambda p=param, key=key: provider.state_tensor(p, key))
+                for key, t in zip(template.state_keys, provider.states(param, template))
             ]
             key, table, rows[i] = provider.scalar_table(param)
             if key not in tables:

@@ -145,6 +145,12 @@ class OptimizerInBackward:
             state = self.optimizer.state[param]
         return [state[k] for k in template.state_keys]
 
+    def state_tensor(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
+        """One live state tensor of `param` (as `states`, for the producer of one graph input: a few hundred
+        calls per update, each a dict lookup)."""
+        state = self._state_of.get(id(param))
+        return (state if state is not None else self.optimizer.state[param])[key]
+
     def scalar_table(self, param: torch.nn.Parameter) -> tuple[Any, torch.Tensor, int]:
         """(key, table, row): this update's scalar table of the parameter's group and device, and the
         parameter's row in it (compile_core/step/optim_math.py); parameters sharing a key share the table."""

@@ -100,8 +100,8 @@ class FusedWhileStepping:
         self._devices = fused_kernel_devices()
         self._placed: dict[int, torch.Tensor] = {}
         """id(param) -> its step count, seen on the parameter's device as float32."""
-        self._groups: dict[int, tuple[int, bool]] = {}
-        """id(group) -> (its parameter count, whether it steps fused): decided once per group shape."""
+        self._groups: dict[int, tuple[tuple, bool]] = {}
+        """id(group) -> (its shape: parameter count and flags, whether it steps fused): decided once per shape."""
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -119,10 +119,11 @@ class FusedWhileStepping:
                 group["foreach"], group["fused"] = foreach, fused
 
     def _steps_fused(self, group: dict) -> bool:
+        shape = (len(group["params"]), group.get("foreach"), group.get("fused"), group.get("differentiable"))
         known = self._groups.get(id(group))
-        if known is None or known[0] != len(group["params"]):
+        if known is None or known[0] != shape:
             fused = _multi_tensor(group) is not None and _fusable(group, self._devices)
-            known = self._groups[id(group)] = (len(group["params"]), fused)
+            known = self._groups[id(group)] = (shape, fused)
         return known[1]
 
     def _place_steps(self, params: list[torch.Tensor]) -> None:

@@ -131,6 +131,35 @@ def test_a_foreach_adamw_over_a_strided_view_parameter_stays_compiled():
     assert fused_instead(torch.optim.AdamW([dense], foreach=False)) is None  # the per-parameter loop
 
 
+def test_a_group_switched_to_the_per_parameter_loop_mid_run_steps_its_own_way():
+    """The user sets `foreach=False` on the group after update 2: from then on torch's own per-parameter step
+    runs it (no fused step behind the user's back), and training still matches eager DDP doing the same."""
+    from tests.single.ddp_helpers import Blocks
+
+    seen = []
+
+    def setup(record):
+        torch.manual_seed(0)
+        model = DDP(Blocks(width=16))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+        if record:
+            opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(o.param_groups[0]["fused"]))
+        return model, opt
+
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(4)]
+    model, opt = setup(True)
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND)
+    ref_model, ref_opt = setup(False)
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            opt.param_groups[0]["foreach"] = ref_opt.param_groups[0]["foreach"] = False
+        step(x, y)
+        eager_ddp_run(ref_model, ref_opt, None, [(x, y)])
+    assert_params_close(model, ref_model)
+    assert seen == [True, True, None, None], seen
+
+
 def test_a_foreach_adam_steps_fused_after_a_state_with_host_step_counts_is_loaded():
     """A checkpoint of a plain foreach run keeps its step counts as it made them (on the host, in the default
     dtype: float64 here, as under `torch.set_default_dtype(torch.float64)`); loaded mid-run, the fused step
