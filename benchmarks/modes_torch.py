@@ -120,7 +120,7 @@ def build_torch_fused(ctx: ModeContext) -> Step:
     of compiling the step. It compiles no update at all; train_step runs a foreach Adam/AdamW this way too
     (compile_core/step/fused.py), so this separates our layer from the choice of update kernel."""
     optimizer = ctx.optimizer
-    if not any(type(optimizer) is cls for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         raise ModeUnavailable(f"{type(optimizer).__name__} has no fused step in torch (Adam, AdamW and SGD do)")
     for group in optimizer.param_groups:
         group["foreach"], group["fused"] = False, True

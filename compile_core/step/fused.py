@@ -28,7 +28,8 @@ from typing import Iterator
 
 import torch
 
-from aot.torch_eager import foreach_by_default, fused_kernel_devices
+from aot.torch_eager import fused_kernel_devices
+from compile_core.step.update import multi_tensor_group
 
 FUSED_INSTEAD = (torch.optim.Adam, torch.optim.AdamW)
 """The optimizers whose multi-tensor step runs fused (exactly these classes; SGD's compiled step is small)."""
@@ -42,29 +43,20 @@ def fused_instead(optimizer: torch.optim.Optimizer) -> str | None:
     devices = fused_kernel_devices()
     why = None
     for i, group in enumerate(optimizer.param_groups):
-        multi = _multi_tensor(group)
-        if multi is None or not _fusable(group, devices):
+        if not _fusable(group, devices):
             return None
-        if not group.get("fused"):
-            why = why or f"param group {i} {multi}"
+        if group.get("fused"):
+            continue
+        multi = multi_tensor_group(group)
+        if multi is None:
+            return None
+        why = why or f"param group {i} {multi}"
     if why is None:
         return None  # every group is fused already: torch's step as it is (`fused_step`)
     return (
         f"{why}: runs as torch's fused step (fused=True while it steps; the groups keep their flags), "
         "a launch per device and dtype and nothing to compile"
     )
-
-
-def _multi_tensor(group: dict) -> str | None:
-    """How the group's own step would be multi-tensor (described), None when it loops over its parameters."""
-    if group.get("fused"):
-        return "has fused=True"
-    if group.get("foreach"):
-        return "has foreach=True"
-    params = group["params"]
-    if group.get("foreach") is None and params and foreach_by_default(params):
-        return f"is on {params[0].device.type}, where torch's default is foreach"
-    return None
 
 
 def _fusable(group: dict, devices: list[str]) -> bool:
@@ -122,7 +114,8 @@ class FusedWhileStepping:
         shape = (len(group["params"]), group.get("foreach"), group.get("fused"), group.get("differentiable"))
         known = self._groups.get(id(group))
         if known is None or known[0] != shape:
-            fused = _multi_tensor(group) is not None and _fusable(group, self._devices)
+            multi = bool(group.get("fused")) or multi_tensor_group(group) is not None
+            fused = multi and _fusable(group, self._devices)
             known = self._groups[id(group)] = (shape, fused)
         return known[1]
 

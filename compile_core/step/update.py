@@ -149,11 +149,20 @@ def multi_tensor_step(optimizer: torch.optim.Optimizer) -> str | None:
     inside a compiled frame). When every group is fused, `fused_step` keeps torch's step; fused groups
     beside others keep the per-block update."""
     for i, group in enumerate(optimizer.param_groups):
-        if group.get("fused"):
-            continue
-        if group.get("foreach"):
-            return f"param group {i} has foreach=True"
-        params = group["params"]
-        if group.get("foreach") is None and params and foreach_by_default(params):
-            return f"param group {i} on {params[0].device.type}, where torch's default is foreach"
+        multi = multi_tensor_group(group)
+        if multi is not None:
+            return f"param group {i} {multi}"
+    return None
+
+
+def multi_tensor_group(group: dict) -> str | None:
+    """How one param group's own step is foreach (multi-tensor), described (`multi_tensor_step`); None when it
+    loops over its parameters or is fused."""
+    if group.get("fused"):
+        return None
+    if group.get("foreach"):
+        return "has foreach=True"
+    params = group["params"]
+    if group.get("foreach") is None and params and foreach_by_default(params):
+        return f"on {params[0].device.type}, where torch's default is foreach"
     return None
