@@ -171,6 +171,15 @@ def frozen_until_update_3() -> Headed:
     return model
 
 
+def branch_from(first: int):
+    """A `before_step` that switches `model.use_extra` (Branchy's extra branch) on from micro-batch `first`."""
+
+    def before(model: nn.Module, micro_batch: int) -> None:
+        model.use_extra = micro_batch >= first
+
+    return before
+
+
 def unfreeze_at_update_3(model: nn.Module, micro_batch: int) -> None:
     for p in model.body[0].parameters():
         p.requires_grad_(micro_batch >= 2)

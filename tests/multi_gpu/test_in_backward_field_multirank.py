@@ -26,6 +26,7 @@ from tests.multi_gpu.field_models import (
     add_group_at_update_3,
     aux_on_block_bias,
     aux_on_head_bias,
+    branch_from,
     clamp_grad_hooks,
     clear_optimizer_state_at_update_3,
     frozen_until_update_3,
@@ -67,8 +68,9 @@ def adam_fused(model):
     return torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
 
 
-def adamw_groups(model):
-    """The usual transformer recipe: weight decay on matrices, none on biases, and another lr."""
+def adamw_groups(model, **options):
+    """The usual transformer recipe: weight decay on matrices, none on biases, and another lr (`options`: more
+    AdamW arguments, `foreach=True`...)."""
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
     return torch.optim.AdamW(
@@ -77,6 +79,7 @@ def adamw_groups(model):
             {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3, "betas": (0.8, 0.95)},
         ],
         lr=1e-2,
+        **options,
     )
 
 
@@ -120,13 +123,6 @@ def _unclipped(rank: int, script: Script) -> dict:
     return run_against_eager(script, rank, how="compile", ddp="in_graph", bucket_cap_mb=CAP_MB)
 
 
-def _branch_from(first: int):
-    def before(model, step):
-        model.use_extra = step >= first
-
-    return before
-
-
 SCENARIOS = {
     "plain_sgd": lambda r: _step(r, _script(make_opt=sgd)),
     "sgd_momentum_foreach": lambda r: _step(r, _script(make_opt=sgd_momentum_foreach)),
@@ -136,7 +132,7 @@ SCENARIOS = {
     "aux_loss_adamw": lambda r: _step(r, _script(loss=aux_on_head_bias, make_opt=adamw)),
     "aux_loss_clip": lambda r: _step(r, _script(loss=aux_on_head_bias, make_opt=adamw, clip=0.05)),
     "branch_joins_at_update_3": lambda r: _step(
-        r, _script(make_model=Branchy, before_step=_branch_from(2), ddp_kwargs={"find_unused_parameters": True})
+        r, _script(make_model=Branchy, before_step=branch_from(2), ddp_kwargs={"find_unused_parameters": True})
     ),
     "static_graph": lambda r: _step(r, _script(make_opt=adamw, ddp_kwargs={"static_graph": True})),
     "process_subgroup": lambda r: _step(r, _script(make_opt=adamw, group=lambda: dist.new_group([0, 1]))),

@@ -20,10 +20,12 @@ from tests.multi_gpu.field_models import (
     Halve,
     Headed,
     aux_on_head_bias,
+    branch_from,
     halve_hook,
     load_checkpoint_without_head_state_at_update_3,
     regression_data,
 )
+from tests.multi_gpu.test_in_backward_field_multirank import adamw_groups, frozen_body_start
 from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
 
 pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(480)]
@@ -37,31 +39,7 @@ def adamw_foreach(model):
 
 
 def adamw_foreach_groups(model):
-    """The usual transformer recipe (decay on matrices only, another lr and betas for the rest), foreach."""
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.dim() <= 1]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": 0.1},
-            {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3, "betas": (0.8, 0.95)},
-        ],
-        lr=1e-2,
-        foreach=True,
-    )
-
-
-def frozen_body_start() -> Headed:
-    model = Headed()
-    for p in list(model.body.parameters())[:2]:
-        p.requires_grad_(False)
-    return model
-
-
-def _branch_from(first: int):
-    def before(model, step):
-        model.use_extra = step >= first
-
-    return before
+    return adamw_groups(model, foreach=True)
 
 
 def _script(**kwargs) -> Script:
@@ -77,7 +55,7 @@ CASES = {
     "aux_loss_on_head_bias": lambda: _script(loss=aux_on_head_bias),
     "frozen_parameters": lambda: _script(make_model=frozen_body_start),
     "branch_joins_at_update_3": lambda: _script(
-        make_model=Branchy, before_step=_branch_from(2), ddp_kwargs={"find_unused_parameters": True}
+        make_model=Branchy, before_step=branch_from(2), ddp_kwargs={"find_unused_parameters": True}
     ),
     "static_graph": lambda: _script(ddp_kwargs={"static_graph": True}),
     "no_sync_accumulation": lambda: _script(accum=2),
