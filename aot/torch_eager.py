@@ -1,7 +1,7 @@
 """The private parts of torch's eager objects that the compile stack reads, in one place (a home of private
 torch internals, like `aot/torch_dynamo.py`): a module's compiled call, operator overloads, pytree's
-flattening, the optimizer's step hooks, its choice of implementation and the devices of its fused kernels,
-and a tensor's version counter.
+flattening, the optimizer's step hooks, its choice of implementation, the devices of its fused kernels and
+the fused Adam/AdamW kernel itself, and a tensor's version counter.
 
 These are how `nn.Module`, `torch._ops`, `torch.utils._pytree` and `torch.optim` work when nothing compiles;
 Dynamo's and AOTAutograd's own internals are in `aot/torch_dynamo.py` and `aot/torch_graphs.py`. Each
@@ -97,6 +97,19 @@ def fused_kernel_devices() -> list[str]:
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     return list(_get_fused_kernels_supported_devices())
+
+
+def fused_adam_kernel(*, decoupled: bool) -> Any:
+    """torch's fused Adam (`decoupled=False`: L2 weight decay) or AdamW kernel, the overload that reads the
+    learning rate from a tensor: `op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
+    lr, beta1, beta2, weight_decay, eps, amsgrad, maximize)`, every list updated in place (grads only with a
+    grad_scale), each step count read as the step this update reaches (float32, on the parameters' device).
+
+    Mirrors what `torch/optim/adam.py: _fused_adam` calls after advancing the counts (`torch._fused_adam_`,
+    `torch._fused_adamw_`); the aten ops have meta and CPU kernels, so graphs carrying them compile and run
+    on the CPU too."""
+    op = torch.ops.aten._fused_adamw_ if decoupled else torch.ops.aten._fused_adam_
+    return op.tensor_lr
 
 
 def add_to_each(tensors: list[torch.Tensor], value: float) -> None:

@@ -29,26 +29,34 @@ Algorithm:
     outside the model's outputs (`ddp/in_graph/probe.py: eager_outside_producers`); the compiled
     backward leaves those to the normal step. With clipping or static_graph, update 1 is compiled
     (reduce only) and shows how the model compiles.
-  * Then, per param group and parameter dtype/device, the update math of compile_core/step/optim_math.py
-    (torch's single-tensor SGD/Adam/AdamW step, with its step-dependent scalars computed on the host
-    per parameter and passed in as one small vector) is captured once, on one small throwaway
-    parameter, as an aten graph whose only in-place ops are the final copies into the parameter and
-    the state (`aot.torch_dynamo.capture_functional`). The math is elementwise, so one graph serves
-    every parameter shape of that group.
-  * From update 2 the compiled backward applies that update right after its bucket's all-reduce lands
-    (splice.py, placed by the in-graph graph pass through its hook): the graph is spliced in per
-    parameter, so Inductor fuses the updates of a bucket with each other and with the gradient's last
-    kernels, with that update's scalar vector (computed before the forward: lr, betas, momentum,
-    weight decay and the step count are values, so schedules never recompile); the state tensors are
-    the optimizer's own, updated in place, so `optimizer.state_dict()` is what an eager run gives.
-    Each extra graph input costs host time at every call (a producer, a size check, AOTAutograd's
-    wrapper: on an H100 the in-backward step spent 13 ms before its first kernel, where the in-graph
-    step spent 2): the vectors of a param group and device come as one table, each parameter's
-    update reading its row, and the step counts are no inputs at all: the host advances them after
-    the backward (`advance_steps`, one foreach add), as torch's step would have.
-    (On the CPU an opaque op per bucket used to call the math compiled once instead, to keep the C++
-    compile of the update variant near the reduce variant's: a mechanism only the CPU bed used,
-    removed; the update variant compiles longer there.)
+  * From update 2 the compiled backward applies each bucket's update right after its all-reduce lands
+    (splice.py, placed by the in-graph graph pass through its hook), on the optimizer's own state
+    tensors, updated in place, so `optimizer.state_dict()` is what an eager run gives. The update is
+    chosen per parameter when the backward compiles (`OptimizerInBackward.update_for`):
+      - Adam/AdamW on a device with torch's fused kernels, contiguous parameter: torch's fused kernel
+        (`aten._fused_adam_`/`_fused_adamw_`, the overload that reads `lr` as a tensor), one call per
+        bucket, param group and dtype. Nothing of the update is compiled (the backward compiles as
+        in-graph's does) and a bucket updates in a launch or a few. The kernel takes betas, weight decay
+        and eps as numbers, constants of the compiled graph: a group whose values moved between update 1
+        and the compile (OneCycleLR's beta1) takes the graph below instead, and a later change of one
+        (a weight decay schedule that starts at update 3) moves its group to that graph for good, at the
+        cost of one more compile of the model (the hook's `generation`, a hooked variant of its own:
+        ddp/in_graph/variants.py), not one per change.
+      - Otherwise (SGD, a strided parameter, values a schedule moves): the update math of
+        compile_core/step/optim_math.py (torch's single-tensor step, with its step-dependent scalars
+        computed on the host and passed in as one small vector) captured once per param group and
+        dtype/device, on one small throwaway parameter, as an aten graph whose only in-place ops are the
+        final copies into the parameter and the state (`aot.torch_dynamo.capture_functional`). The math
+        is elementwise, so one graph serves every shape; it is spliced in per parameter, so Inductor
+        fuses the updates of a bucket with each other and with the gradient's last kernels. On an H100
+        (session 43) that backward held 5940 ops against in-graph's 1768 and took 122 s to compile.
+    Both read one table of scalars per param group and device, a row per parameter, computed before
+    the forward (lr, betas, momentum, weight decay and the step count this update reaches are values,
+    so schedules never recompile the graph; the fused kernel reads the row's lr and step count). Each
+    extra graph input costs host time at every call (a producer, a size check, AOTAutograd's wrapper: on
+    an H100 the in-backward step spent 13 ms before its first kernel, where the in-graph step spent 2),
+    hence one table, not a row per parameter; the step counts themselves are no inputs at all: the host
+    advances them after the backward (`advance_steps`, one foreach add), as torch's step would have.
 
 Notes: only SGD, Adam and AdamW (exactly these classes, any of their options, foreach and fused
 included) are done in the backward; any other optimizer, or a model that does not compile into a
@@ -61,10 +69,13 @@ clipping, every gradient must be inside the graph (the global norm is taken ther
 update stays on the normal path. Only structural options are baked into the captured graph
 (momentum on/off, nesterov, maximize, amsgrad, and whether beta1 is above 0.5, which picks `lerp`'s
 formula for the first moment): changing one switches back to the normal path, with the reason.
-Weight decay is always in the graph (0 decays by exactly nothing), so it may change freely.
+Weight decay is always in the graph (0 decays by exactly nothing), so it may change freely there (not
+under the fused kernel, above).
 
 Debugging: `TrainStep.report()` has an `optimizer_in_backward` entry (active, reason, from which
-update); `TORCH_LOGS=output_code` shows the update kernels between the backward's kernels.
+update, `fused_kernel_groups`: the param groups torch's fused kernel updates,
+`recompiled_for_changed_constants`: which of its constants moved, before which update); `TORCH_LOGS=output_code`
+shows the update kernels (or the fused kernel's calls) between the backward's kernels.
 """
 
 from compile_core.in_backward.controller import InBackwardController

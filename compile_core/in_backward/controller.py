@@ -51,6 +51,8 @@ class InBackwardController:
         """Updates applied inside the backward so far."""
         self.restarted_at: list[int] = []
         """Updates that recreated lost optimizer state on the normal path (see the module doc)."""
+        self.recompiled_for: list[str] = []
+        """Why the backward with updates compiled again: constants of the fused kernel that changed."""
 
     def before_sync_step(self, index: int) -> None:
         """Before the forward of the micro-batch of update `index` that will update: stale templates
@@ -61,8 +63,21 @@ class InBackwardController:
             if changed is not None:
                 self._stop(changed)
             elif not self._paused_for_lost_state(index):
+                self._note_moved_constants(index)
                 self.updates.refresh()
         self.reducer.begin_step(self.hook if self.active else None)
+
+    def _note_moved_constants(self, index: int) -> None:
+        moved = self.updates.moved_constants()
+        if moved:
+            self.recompiled_for.append(f"update {index}: " + "; ".join(moved))
+            logger.warning(
+                "train_step: before update %d, %s, a constant of torch's fused kernel in the compiled backward: "
+                "the backward compiles again, with the per-parameter update (which reads it as a value) for %s",
+                index,
+                "; ".join(moved),
+                "that group" if len(moved) == 1 else "those groups",
+            )
 
     def _paused_for_lost_state(self, index: int) -> bool:
         lost = self.updates.lost_state()
@@ -151,6 +166,8 @@ class InBackwardController:
             "restarted_after_lost_state": list(self.restarted_at),
             "grads_kept_last_backward": outcome.grads_kept,
             "not_updated_in_backward": list(outcome.skipped),
+            "fused_kernel_groups": self.updates.fused_groups(),
+            "recompiled_for_changed_constants": list(self.recompiled_for),
             "clip": None
             if self.updates.clip_max_norm is None
             else "global norm of all reduced gradients, after the last all-reduce, inside the backward",

@@ -29,6 +29,10 @@ class UpdatesHook:
     def __init__(self, updates: OptimizerInBackward) -> None:
         self.updates = updates
 
+    @property
+    def generation(self) -> int:
+        return self.updates.generation
+
     def for_graph(self, graph: GraphToCompile) -> HookedGraph:
         hooked = self._hooked(graph)
         if hooked.after_reduce is None:
@@ -47,7 +51,7 @@ class UpdatesHook:
                 None, skipped=(), reason="this graph reduces no parameter inside its backward (see in_graph's report)"
             )
         params = inputs.examples
-        templates = {i: t for i in indices if (t := provider.template_for(params[i])) is not None}
+        templates = {i: t for i in indices if (t := provider.update_for(params[i])) is not None}
         # No template: not in the optimizer, or no state yet (a branch that joined late). Its
         # reduced gradient is returned and the normal optimizer step updates it after the backward.
         skipped = tuple(graph.names.get(id(params[i]), "?") for i in indices if i not in templates)

@@ -1,9 +1,10 @@
 """The optimizer side of the update inside the backward: which optimizers, their math as graphs, their state.
 
-`OptimizerInBackward` captures one update graph per (param group, dtype, device) after update 1 (see
-Note [Optimizer update inside the backward] in compile_core/in_backward/__init__.py) and hands out, per
-update, each parameter's live state tensors and its row in its group's table of scalars
-(compile_core/step/optim_math.py); after a backward that updated, it advances the step counts.
+`OptimizerInBackward` chooses each parameter's update when a backward is compiled (see Note [Optimizer
+update inside the backward] in compile_core/in_backward/__init__.py): torch's fused Adam/AdamW kernel where
+it applies (`FusedKernel`), else an update graph captured once per (param group, dtype, device)
+(`UpdateTemplate`). It hands out, per update, each parameter's live state tensors and its row in its group's
+table of scalars (compile_core/step/optim_math.py); after a backward that updated, it advances the step counts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any, Callable
 import torch
 
 from aot.torch_dynamo import capture_functional
-from compile_core.in_backward.splice import UpdateTemplate
+from aot.torch_eager import fused_adam_kernel, fused_kernel_devices
+from compile_core.in_backward.splice import FusedKernel, UpdateTemplate
 from compile_core.step import optim_math
 from inductor.torch_inductor import decompositions
 
@@ -37,6 +39,14 @@ class OptimizerInBackward:
         self._templates: dict[tuple[int, torch.dtype, torch.device], UpdateTemplate] = {}
         self._group_of: dict[int, int] = {}
         self._baked: list[tuple] = []
+        self._values_at_prepare: list[tuple] = []
+        self._fused: dict[int, FusedKernel] = {}
+        """param group index -> the fused kernel a compiled backward bakes its values into."""
+        self._values_move: set[int] = set()
+        """param groups whose betas, weight decay or eps changed under a fused kernel: the update graph from then on."""
+        self.generation = 0
+        """Bumped when a compiled backward's updates no longer fit and the next one must compile anew
+        (`BackwardHook.generation`, ddp/in_graph/hooks.py)."""
         self._members: dict[tuple[int, torch.device], list[torch.nn.Parameter]] = {}
         """Per (group, device): its parameters as `prepare` first saw them, in group order (a row each)."""
         self._slot: dict[int, tuple[tuple[int, torch.device], int]] = {}  # param id -> (table key, row)
@@ -49,9 +59,12 @@ class OptimizerInBackward:
         self._steps = optim_math.KnownSteps()  # the step counts as the host last read or advanced them
 
     def prepare(self) -> None:
-        """Capture one template per (group, dtype, device) that has a parameter with optimizer state
-        (update 1 ran and created it; plain SGD keeps none)."""
+        """After update 1 (which created the optimizer state; plain SGD keeps none): note the groups' options,
+        give each parameter its row, and capture the update graph of each (group, dtype, device) that has a
+        parameter with state the fused kernel cannot take (here, not inside a compile). Each update is chosen
+        when a backward compiles (`update_for`)."""
         self._baked = [_flags(self.optimizer, g) for g in self.optimizer.param_groups]
+        self._values_at_prepare = [_kernel_values(g) for g in self.optimizer.param_groups]
         for index, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 self._group_of[id(p)] = index
@@ -59,9 +72,8 @@ class OptimizerInBackward:
                     members = self._members.setdefault((index, p.device), [])
                     self._slot[id(p)] = ((index, p.device), len(members))
                     members.append(p)
-                key = (index, p.dtype, p.device)
-                if key not in self._templates and self._ready(p, group):
-                    self._templates[key] = self._capture(group, p)
+                if not self._fusable(index, p):
+                    self.template_for(p)
         self._with_state = [p for g in self.optimizer.param_groups for p in g["params"] if self._ready(p, g)]
         self._state_watch.mark()
         self.refresh()
@@ -121,7 +133,7 @@ class OptimizerInBackward:
 
     def changed_hyperparameters(self) -> str | None:
         """A structural option changed since `prepare` (momentum turned on or off, nesterov, maximize,
-        amsgrad): the templates no longer fit. Values never matter: they are inputs."""
+        amsgrad): the compiled updates no longer fit. Values never stop it (`moved_constants`)."""
         for index, (group, baked) in enumerate(zip(self.optimizer.param_groups, self._baked)):
             now = _flags(self.optimizer, group)
             if now != baked:
@@ -129,13 +141,92 @@ class OptimizerInBackward:
                 return f"param group {index} changed {changed} after the update graphs were captured"
         return None
 
+    def moved_constants(self) -> list[str]:
+        """Before a synchronising forward: the groups whose betas, weight decay or eps changed since update 1,
+        constants of torch's fused kernel, take the update graph (which reads them as values) from now on; its
+        graphs are captured here. A schedule that moves them at every update (OneCycleLR's beta1) is seen
+        before update 2 compiles. Where a compiled backward already holds them, it must compile once more
+        (`generation`): one description per such group, empty when none."""
+        groups, moved = self.optimizer.param_groups, []
+        if not optim_math.is_adam(self.optimizer):
+            return moved
+        for index, before in enumerate(self._values_at_prepare):
+            if index in self._values_move:
+                continue
+            kernel = self._fused.get(index)
+            baked = dict(kernel.options if kernel is not None else before)
+            changed = [f"{k} {baked[k]} -> {v}" for k, v in _kernel_values(groups[index]) if baked[k] != v]
+            if not changed:
+                continue
+            self._values_move.add(index)
+            for p in groups[index]["params"]:
+                self.template_for(p)
+            if kernel is not None:
+                del self._fused[index]
+                moved.append(f"param group {index} changed {', '.join(changed)}")
+        if moved:
+            self.generation += 1
+        return moved
+
+    def update_for(self, param: torch.nn.Parameter) -> UpdateTemplate | FusedKernel | None:
+        """The update a backward compiled now applies to `param` (None: none, the step after the backward
+        updates it): torch's fused Adam/AdamW kernel when it can take the parameter and the group's betas,
+        weight decay and eps stayed as update 1 left them (they become constants of the graph), else the
+        captured update graph of its group, dtype and device."""
+        index = self._group_of.get(id(param))
+        if index is None:
+            return None
+        group = self.optimizer.param_groups[index]
+        if not self._ready(param, group):
+            return None
+        kernel = self._fused_kernel(index, group, param)
+        # a graph captured earlier (`prepare`, `moved_constants`): a capture inside this compile would nest
+        return kernel if kernel is not None else self._templates.get((index, param.dtype, param.device))
+
     def template_for(self, param: torch.nn.Parameter) -> UpdateTemplate | None:
+        """The update graph of the parameter's group, dtype and device (captured on first request; not from
+        inside a compile)."""
         index = self._group_of.get(id(param))
         if index is None or not self._ready(param, self.optimizer.param_groups[index]):
             return None
-        return self._templates.get((index, param.dtype, param.device))
+        key = (index, param.dtype, param.device)
+        if key not in self._templates:
+            self._templates[key] = self._capture(self.optimizer.param_groups[index], param)
+        return self._templates[key]
 
-    def states(self, param: torch.nn.Parameter, template: UpdateTemplate) -> list[torch.Tensor]:
+    def fused_groups(self) -> list[int]:
+        """The param groups whose compiled update is torch's fused kernel."""
+        return sorted(self._fused)
+
+    def _fusable(self, index: int, param: torch.nn.Parameter) -> bool:
+        """Whether torch's fused kernel can update `param` (contiguous and not empty: on CUDA the kernel refuses
+        other strides than the gradient's, and an empty tensor last in a list) with its group's values as
+        constants (none moved since update 1: `moved_constants`)."""
+        return (
+            optim_math.is_adam(self.optimizer)
+            and index not in self._values_move
+            and param.is_contiguous()
+            and param.numel() > 0
+            and param.device.type in fused_kernel_devices()
+        )
+
+    def _fused_kernel(self, index: int, group: dict, param: torch.nn.Parameter) -> FusedKernel | None:
+        if not self._fusable(index, param):
+            return None
+        values = _kernel_values(group)
+        kernel = self._fused.get(index)
+        if kernel is None or kernel.options[: len(values)] != values:
+            flags = (("amsgrad", bool(group.get("amsgrad"))), ("maximize", bool(group.get("maximize"))))
+            kernel = self._fused[index] = FusedKernel(
+                op=fused_adam_kernel(decoupled=optim_math.decoupled(self.optimizer, group)),
+                options=values + flags,
+                state_keys=_state_keys(self.optimizer, group),
+                lr_column=optim_math.ADAM_SCALARS.index("lr"),
+                step_column=optim_math.ADAM_SCALARS.index("step"),
+            )
+        return kernel
+
+    def states(self, param: torch.nn.Parameter, template: UpdateTemplate | FusedKernel) -> list[torch.Tensor]:
         """The live state tensors of one parameter (looked up at every call, in the state mapping as the last
         `refresh` found it: `load_state_dict` replaces them)."""
         if not template.state_keys:
@@ -183,6 +274,17 @@ def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:
         keys.update(amsgrad=bool(group.get("amsgrad")), decoupled=optim_math.decoupled(optimizer, group))
         keys.update(low_lerp=abs(1 - float(group["betas"][0])) < 0.5)  # lerp's formula for the first moment
     return tuple(sorted(keys.items()))
+
+
+def _kernel_values(group: dict) -> tuple[tuple[str, float], ...]:
+    """The values torch's fused Adam/AdamW kernel takes as numbers (baked into the compiled backward)."""
+    beta1, beta2 = (float(b) for b in group.get("betas", (0.0, 0.0)))
+    return (
+        ("beta1", beta1),
+        ("beta2", beta2),
+        ("weight_decay", float(group.get("weight_decay", 0.0))),
+        ("eps", float(group.get("eps", 0.0))),
+    )
 
 
 def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:

@@ -2,8 +2,10 @@
 
 `SplicedUpdates` is the `AfterReduce` (ddp/in_graph/hooks.py) of a graph compiled with updates: the graph
 pass calls it once every bucket's all-reduce is issued, and it places each bucket's wait and, after it,
-one copy of the parameter's update graph (`UpdateTemplate`, captured by compile_core/in_backward/optimizer.py)
-per parameter, on the real parameter and state tensors. Without clipping the buckets are pipelined
+the update of its parameters, on the real parameter and state tensors: one call of torch's fused Adam/AdamW
+kernel per param group, dtype and device of the bucket (`FusedKernel`), or, where that kernel does not apply,
+one copy of the parameter's update graph per parameter (`UpdateTemplate`); both built by
+compile_core/in_backward/optimizer.py. Without clipping the buckets are pipelined
 (`UpdateSpec.lookahead`): bucket k waits and updates while bucket k+1 is on the wire, after every read of
 its parameters by the rest of the backward. With clipping every bucket lands first: the global norm
 needs all of them (as `clip_grad_norm_`), then every bucket updates.
@@ -49,12 +51,39 @@ class UpdateTemplate:
     state_keys: tuple[str, ...]
     """Keys of `optimizer.state[p]` passed as state tensors, in role order."""
 
+    def cache_key(self) -> tuple:
+        return (self.graph.code, self.positions, self.state_keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedKernel:
+    """torch's fused Adam/AdamW kernel (`aten._fused_adam_` / `_fused_adamw_`, the overload that reads `lr` as a
+    tensor), one call per bucket for the parameters of one param group, dtype and device: nothing of the update
+    is compiled, and a bucket updates in a launch or a few. Built by compile_core/in_backward/optimizer.py."""
+
+    op: Any
+    """The kernel's `OpOverload`."""
+    options: tuple[tuple[str, Any], ...]
+    """Its keyword options other than `lr` (betas, weight decay, eps, amsgrad, maximize): constants of the
+    compiled backward, so a change of one is a change of graph."""
+    state_keys: tuple[str, ...]
+    """Keys of `optimizer.state[p]` passed as state tensors, in the kernel's order (exp_avg, exp_avg_sq and,
+    with amsgrad, max_exp_avg_sq)."""
+    lr_column: int
+    """Column of the scalar table that holds the group's learning rate."""
+    step_column: int
+    """Column of the scalar table that holds the step count this update reaches (the kernel's step count:
+    the host advances the optimizer's own counts after the backward)."""
+
+    def cache_key(self) -> tuple:
+        return (str(self.op), self.options, self.state_keys, self.lr_column, self.step_column)
+
 
 @dataclasses.dataclass(frozen=True)
 class UpdateSpec:
     """What one backward needs to update parameters in place."""
 
-    templates: Mapping[int, UpdateTemplate]
+    templates: Mapping[int, UpdateTemplate | FusedKernel]
     """Parameter input index -> its update."""
     role_inputs: Mapping[int, tuple[int, ...]]
     """Parameter input index -> graph input indices of its state tensors, then of its scalar table."""
@@ -81,7 +110,7 @@ class SplicedUpdates:
         return repr(
             (
                 _CODE_HASH,
-                sorted((i, t.graph.code, t.positions, t.state_keys) for i, t in u.templates.items()),
+                sorted((i, t.cache_key()) for i, t in u.templates.items()),
                 sorted(u.role_inputs.items()),
                 sorted(u.scalar_rows.items()),
                 u.clip_max_norm,
@@ -113,15 +142,24 @@ class SplicedUpdates:
             return max(readers, key=order.__getitem__, default=bucket.reduced)
 
         def finish(k: int, bucket: IssuedBucket, views: tuple[tuple[int, fx.Node], ...], scale: Any = None) -> None:
+            fused: dict[tuple[FusedKernel, int, torch.dtype], list[tuple[int, fx.Node]]] = {}
             for (position, view), index in zip(views, bucket.input_indices):
                 grad = view if scale is None else builder.call(_ops.mul.Tensor, [view, scale])
-                if index not in updates.templates:
+                update = updates.templates.get(index)
+                if update is None:
                     outputs[position] = grad  # no update here: the optimizer step after the backward uses it
+                    continue
+                outputs[position] = None  # updated in place: no gradient is kept
+                if isinstance(update, FusedKernel):
+                    # one kernel call per table (param group and device) and dtype
+                    table, dtype = updates.role_inputs[index][-1], input_node(index).meta["val"].dtype
+                    fused.setdefault((update, table, dtype), []).append((index, grad))
                     continue
                 last = _apply_update(builder, updates, index, input_node, grad)
                 if last is not None:
                     last_update[k] = last
-                outputs[position] = None  # updated in place: no gradient is kept
+            for (kernel, _, _), members in fused.items():
+                last_update[k] = _apply_fused(builder, updates, kernel, members, input_node)
 
         if updates.clip_max_norm is not None:
             # The global norm needs every reduced gradient: all buckets land first, as in
@@ -220,3 +258,38 @@ def _apply_update(
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
             env[node] = last = builder.call(node.target, args, kwargs)
     return last
+
+
+def _apply_fused(
+    builder: NodeBuilder,
+    updates: UpdateSpec,
+    kernel: FusedKernel,
+    members: list[tuple[int, fx.Node]],
+    input_node: Callable[[int], fx.Node],
+) -> fx.Node:
+    """One call of torch's fused kernel on these parameters (one param group, dtype and device) and their
+    reduced gradients; the step counts and the learning rate are views of the group's scalar table."""
+    params = [input_node(index) for index, _ in members]
+    grads = []
+    for param, (_, grad) in zip(params, members):
+        # The kernel walks each tensor as flat memory, and on CUDA refuses a gradient whose strides are not
+        # its parameter's. Both are contiguous here (the optimizer side hands this kernel only contiguous
+        # parameters; a bucket's views are), so only the strides of size-1 dims can differ: restated.
+        if not grad.meta["val"].is_contiguous():
+            grad = builder.call(_ops.clone.default, [grad], {"memory_format": torch.contiguous_format})
+        value = param.meta["val"]
+        if grad.meta["val"].stride() != value.stride():
+            grad = builder.call(_ops.as_strided.default, [grad, list(value.shape), list(value.stride())])
+        grads.append(grad)
+    roles = [updates.role_inputs[index] for index, _ in members]
+    states = [[input_node(r[k]) for r in roles] for k in range(len(kernel.state_keys))]
+    table = input_node(roles[0][-1])
+    steps = builder.call(_ops.select.int, [table, 1, kernel.step_column])
+    lr = builder.call(_ops.select.int, [builder.call(_ops.select.int, [table, 1, kernel.lr_column]), 0, 0])
+    step_counts = [builder.call(_ops.select.int, [steps, 0, updates.scalar_rows[index]]) for index, _ in members]
+    max_exp_avg_sqs = states[2] if len(states) > 2 else []
+    return builder.call(
+        kernel.op,
+        [params, grads, states[0], states[1], max_exp_avg_sqs, step_counts],
+        {"lr": lr, **dict(kernel.options)},
+    )

@@ -43,8 +43,11 @@ ADAM_SCALARS = (
     "bias_correction2_sqrt",
     "neg_step_size",
     "eps",
+    "lr",
+    "step",
 )
-"""The layout of an Adam/AdamW scalar vector."""
+"""The layout of an Adam/AdamW scalar vector (the last two are what torch's fused kernel reads instead of the
+others: the learning rate and the step count the update reaches)."""
 SGD_SCALARS = ("weight_decay", "momentum", "one_minus_dampening", "neg_lr")
 """The layout of an SGD scalar vector."""
 
@@ -168,7 +171,7 @@ def scalars(
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         first = (1 - lr * wd) if decoupled(optimizer, group) else wd
         by_step = {
-            s: [first, 1 - beta1, beta2, 1 - beta2, (1 - beta2**s) ** 0.5, -(lr / (1 - beta1**s)), eps]
+            s: [first, 1 - beta1, beta2, 1 - beta2, (1 - beta2**s) ** 0.5, -(lr / (1 - beta1**s)), eps, lr, s]
             for s in set(steps)  # parameters usually share their step count: one row computed per distinct count
         }
         rows = [by_step[s] for s in steps]

@@ -158,6 +158,10 @@ class HookedGraph:
 class BackwardHook(Protocol):
     """What the reducer is handed by `begin_step`."""
 
+    generation: int
+    """Bumped when what the hook places in a graph changes for graphs already compiled: the hooked variant's
+    graphs compile again (ddp/in_graph/variants.py: `variant_for`). Each bump is a compile of the model."""
+
     def for_graph(self, graph: GraphToCompile) -> HookedGraph:
         """What this hook does in `graph` (called once per graph compiled in a hooked variant)."""
         ...

@@ -194,7 +194,10 @@ class InGraphReducer:
             self._stash = {id(p): p.grad for p in self.params if p.grad is not None}
             for p in self.params:
                 p.grad = None
-        self.variant = variant_for(sync=sync, accumulated=accumulated, hooked=self._hook is not None)
+        hook = self._hook
+        self.variant = variant_for(
+            sync=sync, accumulated=accumulated, hooked=hook is not None, generation=hook.generation if hook else 0
+        )
         self._new_variant = self.variant not in self._seen_variants
         self._seen_variants.add(self.variant)
         self.ddp.require_backward_grad_sync = False

@@ -17,33 +17,42 @@ from ddp.agreement import RankAgreement, RankMismatchError
 VARIANTS = ("local", "reduce", "reduce_acc", "reduce_update", "reduce_acc_update")
 """local: no collective (no_sync, no grad); reduce: all-reduce per bucket; _acc: plus the gradients
 accumulated by earlier micro-batches; _update: plus the step's hook after each bucket's all-reduce
-(ddp/in_graph/hooks.py; the optimizer update per bucket, which names it)."""
+(ddp/in_graph/hooks.py; the optimizer update per bucket, which names it), whose name may carry
+"@<generation>" (`variant_for`)."""
 
 _ACCUMULATING = frozenset({"reduce_acc", "reduce_acc_update"})
 _HOOKED = frozenset({"reduce_update", "reduce_acc_update"})
 
 
-def variant_for(*, sync: bool, accumulated: bool, hooked: bool) -> str:
+def variant_for(*, sync: bool, accumulated: bool, hooked: bool, generation: int = 0) -> str:
     """The variant of a forward: `sync` (grad mode on and DDP would sync), with gradients `accumulated`
-    by earlier micro-batches handed to the graph, `hooked`: with a hook after each bucket's all-reduce."""
+    by earlier micro-batches handed to the graph, `hooked`: with a hook after each bucket's all-reduce,
+    whose `generation` (`BackwardHook.generation`, ddp/in_graph/hooks.py) is part of a hooked variant's
+    name: a hook that splices something else from now on gets graphs compiled anew, as a variant of
+    their own (the old ones stay cached, never run again)."""
     if not sync:
         return "local"
-    return {
+    name = {
         (False, False): "reduce",
         (True, False): "reduce_acc",
         (False, True): "reduce_update",
         (True, True): "reduce_acc_update",
     }[(accumulated, hooked)]
+    return f"{name}@{generation}" if hooked and generation else name
+
+
+def _kind(variant: str) -> str:
+    return variant.partition("@")[0]
 
 
 def accumulates(variant: str) -> bool:
     """Whether the variant's graphs take the accumulated gradients as extra inputs and reduce their sum."""
-    return variant in _ACCUMULATING
+    return _kind(variant) in _ACCUMULATING
 
 
 def hooked(variant: str) -> bool:
     """Whether the variant's graphs are compiled with the step's hook after each bucket's all-reduce."""
-    return variant in _HOOKED
+    return _kind(variant) in _HOOKED
 
 
 def guard_variant_in(module: torch.nn.Module, holder: Any) -> None:

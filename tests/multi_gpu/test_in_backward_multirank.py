@@ -41,9 +41,28 @@ OPTIMIZERS = {
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
 }
+
+
+class _EpsAfterUpdate3(torch.optim.lr_scheduler.LambdaLR):
+    """A constant lr that sets every group's eps to 1e-6 after update 3 (a value torch's fused kernel, spliced
+    into the compiled backward, holds as a constant)."""
+
+    def __init__(self, opt):
+        super().__init__(opt, lambda _: 1.0)
+
+    def step(self, *args, **kwargs):
+        super().step(*args, **kwargs)
+        if self.last_epoch == 3:
+            for group in self.optimizer.param_groups:
+                group["eps"] = 1e-6
+
+
 SCHEDULES = {
     None: None,
     "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=UPDATES, eta_min=1e-4),
+    # cycle_momentum (its default) moves Adam's beta1 at every update
+    "onecycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=UPDATES),
+    "eps_after_3": _EpsAfterUpdate3,
 }
 
 
@@ -119,6 +138,7 @@ def _scenario(
         "ref_state": _state(ref_opt),
         "grads_left": grads_left,
         "report": step.report().to_dict(),
+        "adam": isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),
         "lr": float(optimizer.param_groups[0]["lr"]),
         "ref_lr": float(ref_opt.param_groups[0]["lr"]),
     }
@@ -166,6 +186,8 @@ SCENARIOS = {
     "sgd_nesterov": lambda rank: _scenario(rank, opt="sgd_nesterov"),
     "adam": lambda rank: _scenario(rank, opt="adam"),
     "adamw_cosine": lambda rank: _scenario(rank, opt="adamw", sched="cosine", checkpoint=True),
+    "adam_onecycle": lambda rank: _scenario(rank, opt="adam", sched="onecycle"),
+    "adamw_eps_after_3": lambda rank: _scenario(rank, opt="adamw", sched="eps_after_3"),
     "adamw_foreach": lambda rank: _scenario(rank, opt="adamw_foreach"),
     "adamw_accum2": lambda rank: _scenario(rank, opt="adamw", accum=2),
     "adamw_clip": lambda rank: _scenario(rank, opt="adamw", clip=CLIP),
@@ -184,7 +206,16 @@ def results(request):
     return run_ranks(_all_scenarios, selected_scenarios(request, SCENARIOS), world_size=2, timeout=400)
 
 
-def _assert_like_eager(per_rank: list[dict], *, rtol: float = 1e-4, atol: float = 1e-6, active: bool = True) -> None:
+def _assert_like_eager(
+    per_rank: list[dict],
+    *,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+    active: bool = True,
+    fused: list[int] | None = None,
+) -> None:
+    """`fused`: the param groups whose update in the backward is torch's fused kernel (default: every group
+    of an Adam or AdamW, none of an SGD)."""
     for rank, r in enumerate(per_rank):
         for name, p in r["params"].items():
             torch.testing.assert_close(
@@ -203,6 +234,8 @@ def _assert_like_eager(per_rank: list[dict], *, rtol: float = 1e-4, atol: float 
         iob = r["report"]["optimizer_in_backward"]
         assert iob["requested"] and iob["active"] is active, iob
         if active:
+            expected = fused if fused is not None else ([0] if r["adam"] else [])
+            assert iob["fused_kernel_groups"] == expected, iob
             assert iob["from_update"] == 2 and iob["updates_in_backward"] == UPDATES - 1, iob
             # update 1 ran the normal path (every gradient kept for optimizer.step); later ones kept none
             assert r["grads_left"][0] > 0 and r["grads_left"][1:] == [0] * (UPDATES - 1), r["grads_left"]
@@ -232,6 +265,26 @@ def test_adamw_with_a_schedule_and_a_checkpoint_that_loads_into_an_eager_optimiz
             for key, value in state.items():
                 torch.testing.assert_close(torch.as_tensor(value), torch.as_tensor(r["state"][k][key]))
     assert [x for x in per_rank[0]["report"]["recompiles"]] == []
+
+
+def test_a_schedule_that_moves_beta1_at_every_update_keeps_the_per_parameter_update(results):
+    """OneCycleLR cycles Adam's beta1: torch's fused kernel would take it as a constant of the compiled backward
+    (a recompile per update), so the group keeps the update graph that reads it as an input."""
+    per_rank = ok(results, "adam_onecycle")
+    _assert_like_eager(per_rank, fused=[])
+    assert per_rank[0]["report"]["recompiles"] == []
+
+
+def test_a_value_the_fused_kernel_holds_as_a_constant_changed_later_recompiles_once_with_the_update_graph(results):
+    """eps changes after update 3: updates 2 and 3 ran torch's fused kernel in the backward, then the backward
+    compiles once more with the per-parameter update graph for that group (which reads eps as a value), and
+    training stays in the backward and like eager to the end; the report says which value moved."""
+    per_rank = ok(results, "adamw_eps_after_3")
+    _assert_like_eager(per_rank, fused=[])
+    for r in per_rank:
+        iob = r["report"]["optimizer_in_backward"]
+        assert iob["recompiled_for_changed_constants"] == ["update 4: param group 0 changed eps 1e-08 -> 1e-06"], iob
+        assert r["report"]["recompiles"] == [], r["report"]["recompiles"]
 
 
 @pytest.mark.parametrize("name", ["adamw_clip", "sgd_accum2_clip"])

@@ -9,7 +9,8 @@ from torch import nn
 
 from compile_core.events import CompileEvents
 from compile_core.in_backward.optimizer import OptimizerInBackward
-from compile_core.step import chunk_math
+from compile_core.in_backward.splice import FusedKernel, UpdateTemplate
+from compile_core.step import chunk_math, optim_math
 
 
 def _after_one_eager_step(kind: str, beta1: float) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
@@ -62,14 +63,63 @@ def test_the_first_moment_formula_is_fixed_when_the_template_is_captured():
     """No per-element choice between lerp's formulas in the spliced graph (5 nodes per parameter fewer,
     which the compile of a graph with one update per parameter pays for), and a beta1 that crosses 0.5
     is a structural change that takes the update back to the normal path, with the reason."""
-    _, optimizer = _after_one_eager_step("adamw", 0.9)
+    param, optimizer = _after_one_eager_step("adamw", 0.9)
     updates = OptimizerInBackward(optimizer)
     updates.prepare()
-    template = next(iter(updates._templates.values()))
+    template = updates.template_for(param)
     targets = [n.target for n in template.graph.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.where.self not in targets, targets
     optimizer.param_groups[0]["betas"] = (0.4, 0.99)
     assert "low_lerp" in (updates.changed_hyperparameters() or "")
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_a_contiguous_adam_parameter_is_updated_by_torchs_fused_kernel_a_strided_one_by_the_update_graph(kind):
+    """The fused kernel walks each tensor as flat memory, so it only takes parameters laid out as their
+    bucket's gradient views (contiguous); Adam's L2 decay and AdamW's decoupled decay pick their kernel."""
+    torch.manual_seed(0)
+    dense, strided = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6, 4).t())
+    optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]([dense, strided], lr=1e-2)
+    for p in (dense, strided):
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    updates = OptimizerInBackward(optimizer)
+    updates.prepare()
+    kernel = updates.update_for(dense)
+    assert isinstance(kernel, FusedKernel), kernel
+    assert kernel.op is getattr(torch.ops.aten, f"_fused_{kind}_").tensor_lr
+    assert dict(kernel.options) == {
+        "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0 if kind == "adam" else 0.01, "eps": 1e-8,
+        "amsgrad": False, "maximize": False,
+    }  # fmt: skip
+    assert isinstance(updates.update_for(strided), UpdateTemplate)
+    assert updates.fused_groups() == [0]
+
+
+def test_values_a_schedule_moved_since_update_1_keep_the_update_graph_later_changes_are_named():
+    """betas, weight decay and eps are constants of the fused kernel in the compiled backward: a group whose
+    values moved between update 1 and the compile (a schedule that moves them every update) keeps the update
+    graph, which reads them as inputs; a change after the compile moves the group to that graph for good and
+    asks for one more compile (a new generation)."""
+    param, optimizer = _after_one_eager_step("adamw", 0.9)
+    updates = OptimizerInBackward(optimizer)
+    updates.prepare()
+    optimizer.param_groups[0]["betas"] = (0.85, 0.99)
+    assert updates.moved_constants() == [] and updates.generation == 0  # no backward holds them yet
+    assert isinstance(updates.update_for(param), UpdateTemplate) and updates.fused_groups() == []
+    param, optimizer = _after_one_eager_step("adamw", 0.9)
+    updates = OptimizerInBackward(optimizer)
+    updates.prepare()
+    assert isinstance(updates.update_for(param), FusedKernel)
+    optimizer.param_groups[0]["lr"] = 5e-3  # an input: changes nothing
+    assert updates.moved_constants() == [] and updates.generation == 0
+    optimizer.param_groups[0]["weight_decay"] = 0.2
+    assert updates.changed_hyperparameters() is None  # not structural: the update stays in the backward
+    assert updates.moved_constants() == ["param group 0 changed weight_decay 0.1 -> 0.2"]
+    assert updates.generation == 1 and updates.fused_groups() == []
+    assert isinstance(updates.update_for(param), UpdateTemplate)
+    optimizer.param_groups[0]["weight_decay"] = 0.3  # the update graph reads it: no further compile
+    assert updates.moved_constants() == [] and updates.generation == 1
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW])
@@ -247,7 +297,7 @@ def test_a_param_group_shares_one_scalar_table_and_step_counts_advance_on_the_ho
     slots = [updates.scalar_table(p) for p in params]
     assert len({key for key, _, _ in slots}) == 1 and len({id(table) for _, table, _ in slots}) == 1
     _, table, _ = slots[0]
-    assert [row for _, _, row in slots] == [0, 1, 2] and table.shape == (3, 7)
+    assert [row for _, _, row in slots] == [0, 1, 2] and table.shape == (3, len(optim_math.ADAM_SCALARS))
     # column 5 is -lr / (1 - beta1 ** step) for the step each parameter reaches: 2, 6, 2
     expected = [-1e-2 / (1 - 0.8**s) for s in (2, 6, 2)]
     torch.testing.assert_close(table[:, 5], torch.tensor(expected), rtol=1e-6, atol=0)

@@ -263,6 +263,34 @@ def test_fused_kernel_devices_are_the_ones_adams_fused_step_accepts():
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_fused_adam_kernel_is_the_step_of_a_fused_adam_with_lr_and_counts_read_from_tensors(cls):
+    with canary("aot/torch_eager.py:fused_adam_kernel"):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5))]
+        ref = [nn.Parameter(p.detach().clone()) for p in params]
+        grads = [torch.randn_like(p) for p in params]
+        opt = cls(ref, lr=0.01, betas=(0.8, 0.95), weight_decay=0.1, eps=1e-6, fused=True)
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+        # the counts and lr as views of one float32 table, as the update inside the backward passes them
+        table = torch.tensor([[0.01, 1.0], [0.01, 1.0]])
+        kernel = torch_eager.fused_adam_kernel(decoupled=cls is torch.optim.AdamW)
+        kernel(
+            [p.data for p in params], [g.clone() for g in grads], [m for m, _ in state], [v for _, v in state],
+            [], [table[0, 1], table[1, 1]],
+            lr=table[0, 0], beta1=0.8, beta2=0.95, weight_decay=0.1, eps=1e-6, amsgrad=False, maximize=False,
+        )  # fmt: skip
+        for p, r, (m, v) in zip(params, ref, state):
+            torch.testing.assert_close(p.data, r.data, rtol=0, atol=0)
+            torch.testing.assert_close(m, opt.state[r]["exp_avg"], rtol=0, atol=0)
+            torch.testing.assert_close(v, opt.state[r]["exp_avg_sq"], rtol=0, atol=0)
+        assert float(table[0, 1]) == 1.0  # read, not advanced: the caller counts
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_add_to_each_advances_every_tensor_in_place():
     with canary("aot/torch_eager.py:add_to_each"):
         counts = [torch.tensor(0.0), torch.tensor(5.0), torch.tensor(41.0)]
