@@ -1,7 +1,7 @@
 """The private parts of torch's eager objects that the compile stack reads, in one place (a home of private
 torch internals, like `aot/torch_dynamo.py`): a module's compiled call, operator overloads, pytree's
 flattening, the optimizer's step hooks, its choice of implementation, the devices of its fused kernels and
-the fused Adam/AdamW kernel itself, and a tensor's version counter.
+the fused SGD/Adam/AdamW kernels themselves, and a tensor's version counter.
 
 These are how `nn.Module`, `torch._ops`, `torch.utils._pytree` and `torch.optim` work when nothing compiles;
 Dynamo's and AOTAutograd's own internals are in `aot/torch_dynamo.py` and `aot/torch_graphs.py`. Each
@@ -110,6 +110,17 @@ def fused_adam_kernel(*, decoupled: bool) -> Any:
     on the CPU too."""
     op = torch.ops.aten._fused_adamw_ if decoupled else torch.ops.aten._fused_adam_
     return op.tensor_lr
+
+
+def fused_sgd_kernel() -> Any:
+    """torch's fused SGD kernel, the overload that reads the learning rate from a tensor: `op(params, grads,
+    momentum_buffers, *, weight_decay, momentum, lr, dampening, nesterov, maximize, is_first_step)`, every
+    list updated in place (no momentum: an empty buffer list and momentum 0; `is_first_step`: the buffers are
+    set to the gradient rather than decayed, as torch's first step creates them).
+
+    Mirrors what `torch/optim/sgd.py: _fused_sgd` calls (`torch._fused_sgd_`); the aten op has meta and CPU
+    kernels."""
+    return torch.ops.aten._fused_sgd_.tensor_lr
 
 
 def add_to_each(tensors: list[torch.Tensor], value: float) -> None:

@@ -1,7 +1,7 @@
 """The optimizer side of the update inside the backward: which optimizers, their math as graphs, their state.
 
 `OptimizerInBackward` chooses each parameter's update when a backward is compiled (see Note [Optimizer
-update inside the backward] in compile_core/in_backward/__init__.py): torch's fused Adam/AdamW kernel where
+update inside the backward] in compile_core/in_backward/__init__.py): torch's fused SGD/Adam/AdamW kernel where
 it applies (`FusedKernel`), else an update graph captured once per (param group, dtype, device)
 (`UpdateTemplate`). It hands out, per update, each parameter's live state tensors and its row in its group's
 table of scalars (compile_core/step/optim_math.py); after a backward that updated, it advances the step counts.
@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from aot.torch_dynamo import capture_functional
-from aot.torch_eager import fused_adam_kernel, fused_kernel_devices
+from aot.torch_eager import fused_adam_kernel, fused_kernel_devices, fused_sgd_kernel
 from compile_core.in_backward.splice import FusedKernel, UpdateTemplate
 from compile_core.step import optim_math
 from inductor.torch_inductor import decompositions
@@ -64,7 +64,7 @@ class OptimizerInBackward:
         parameter with state the fused kernel cannot take (here, not inside a compile). Each update is chosen
         when a backward compiles (`update_for`)."""
         self._baked = [_flags(self.optimizer, g) for g in self.optimizer.param_groups]
-        self._values_at_prepare = [_kernel_values(g) for g in self.optimizer.param_groups]
+        self._values_at_prepare = [_kernel_values(self.optimizer, g) for g in self.optimizer.param_groups]
         for index, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 self._group_of[id(p)] = index
@@ -142,20 +142,19 @@ class OptimizerInBackward:
         return None
 
     def moved_constants(self) -> list[str]:
-        """Before a synchronising forward: the groups whose betas, weight decay or eps changed since update 1,
-        constants of torch's fused kernel, take the update graph (which reads them as values) from now on; its
-        graphs are captured here. A schedule that moves them at every update (OneCycleLR's beta1) is seen
-        before update 2 compiles. Where a compiled backward already holds them, it must compile once more
-        (`generation`): one description per such group, empty when none."""
+        """Before a synchronising forward: the groups whose constants of torch's fused kernel (betas, weight decay,
+        eps; SGD's momentum, dampening) changed since update 1 take the update graph (which reads them as values)
+        from now on; its graphs are captured here. A schedule that moves them at every update (OneCycleLR's
+        beta1 or momentum) is seen before update 2 compiles. Where a compiled backward already holds them, it
+        must compile once more (`generation`): one description per such group, empty when none."""
         groups, moved = self.optimizer.param_groups, []
-        if not optim_math.is_adam(self.optimizer):
-            return moved
         for index, before in enumerate(self._values_at_prepare):
             if index in self._values_move:
                 continue
             kernel = self._fused.get(index)
             baked = dict(kernel.options if kernel is not None else before)
-            changed = [f"{k} {baked[k]} -> {v}" for k, v in _kernel_values(groups[index]) if baked[k] != v]
+            now = _kernel_values(self.optimizer, groups[index])
+            changed = [f"{k} {baked[k]} -> {v}" for k, v in now if baked[k] != v]
             if not changed:
                 continue
             self._values_move.add(index)
@@ -170,9 +169,9 @@ class OptimizerInBackward:
 
     def update_for(self, param: torch.nn.Parameter) -> UpdateTemplate | FusedKernel | None:
         """The update a backward compiled now applies to `param` (None: none, the step after the backward
-        updates it): torch's fused Adam/AdamW kernel when it can take the parameter and the group's betas,
-        weight decay and eps stayed as update 1 left them (they become constants of the graph), else the
-        captured update graph of its group, dtype and device."""
+        updates it): torch's fused kernel when it can take the parameter and the values it takes as numbers
+        (betas, weight decay, eps; SGD's momentum, dampening, weight decay) stayed as update 1 left them (they
+        become constants of the graph), else the captured update graph of its group, dtype and device."""
         index = self._group_of.get(id(param))
         if index is None:
             return None
@@ -201,10 +200,13 @@ class OptimizerInBackward:
     def _fusable(self, index: int, param: torch.nn.Parameter) -> bool:
         """Whether torch's fused kernel can update `param` (contiguous and not empty: on CUDA the kernel refuses
         other strides than the gradient's, and an empty tensor last in a list) with its group's values as
-        constants (none moved since update 1: `moved_constants`)."""
+        constants (none moved since update 1: `moved_constants`). Not a bf16/fp16 parameter: the kernel
+        rounds once per update where eager's step rounds per op, a unit in the last place apart at every
+        update (SGD on bf16 N(0, 1) weights, CPU: up to 0.019 apart after one update), which training carries
+        on; the update graph rounds as eager does."""
         return (
-            optim_math.is_adam(self.optimizer)
-            and index not in self._values_move
+            index not in self._values_move
+            and param.dtype in (torch.float32, torch.float64)
             and param.is_contiguous()
             and param.numel() > 0
             and param.device.type in fused_kernel_devices()
@@ -213,17 +215,10 @@ class OptimizerInBackward:
     def _fused_kernel(self, index: int, group: dict, param: torch.nn.Parameter) -> FusedKernel | None:
         if not self._fusable(index, param):
             return None
-        values = _kernel_values(group)
+        values = _kernel_values(self.optimizer, group)
         kernel = self._fused.get(index)
         if kernel is None or kernel.options[: len(values)] != values:
-            flags = (("amsgrad", bool(group.get("amsgrad"))), ("maximize", bool(group.get("maximize"))))
-            kernel = self._fused[index] = FusedKernel(
-                op=fused_adam_kernel(decoupled=optim_math.decoupled(self.optimizer, group)),
-                options=values + flags,
-                state_keys=_state_keys(self.optimizer, group),
-                lr_column=optim_math.ADAM_SCALARS.index("lr"),
-                step_column=optim_math.ADAM_SCALARS.index("step"),
-            )
+            kernel = self._fused[index] = _fused_kernel_of(self.optimizer, group, values)
         return kernel
 
     def states(self, param: torch.nn.Parameter, template: UpdateTemplate | FusedKernel) -> list[torch.Tensor]:
@@ -276,14 +271,38 @@ def _flags(optimizer: torch.optim.Optimizer, group: dict) -> tuple:
     return tuple(sorted(keys.items()))
 
 
-def _kernel_values(group: dict) -> tuple[tuple[str, float], ...]:
-    """The values torch's fused Adam/AdamW kernel takes as numbers (baked into the compiled backward)."""
-    beta1, beta2 = (float(b) for b in group.get("betas", (0.0, 0.0)))
+def _kernel_values(optimizer: torch.optim.Optimizer, group: dict) -> tuple[tuple[str, float], ...]:
+    """The values torch's fused kernel takes as numbers (baked into the compiled backward); the learning rate
+    it reads from a tensor."""
+    if not optim_math.is_adam(optimizer):
+        names = ("weight_decay", "momentum", "dampening")
+        return tuple((k, float(group[k])) for k in names)
+    beta1, beta2 = (float(b) for b in group["betas"])
     return (
         ("beta1", beta1),
         ("beta2", beta2),
-        ("weight_decay", float(group.get("weight_decay", 0.0))),
-        ("eps", float(group.get("eps", 0.0))),
+        ("weight_decay", float(group["weight_decay"])),
+        ("eps", float(group["eps"])),
+    )
+
+
+def _fused_kernel_of(optimizer: torch.optim.Optimizer, group: dict, values: tuple) -> FusedKernel:
+    maximize = bool(group.get("maximize"))
+    if not optim_math.is_adam(optimizer):  # SGD: update 1 created the momentum buffers (no first step here)
+        momentum = group["momentum"] != 0
+        return FusedKernel(
+            op=fused_sgd_kernel(),
+            options=values + (("nesterov", bool(group["nesterov"])), ("maximize", maximize), ("is_first_step", False)),
+            state_keys=("momentum_buffer",) if momentum else (),
+            lr_column=optim_math.SGD_SCALARS.index("lr"),
+            step_column=None,
+        )
+    return FusedKernel(
+        op=fused_adam_kernel(decoupled=optim_math.decoupled(optimizer, group)),
+        options=values + (("amsgrad", bool(group.get("amsgrad"))), ("maximize", maximize)),
+        state_keys=_state_keys(optimizer, group),
+        lr_column=optim_math.ADAM_SCALARS.index("lr"),
+        step_column=optim_math.ADAM_SCALARS.index("step"),
     )
 
 

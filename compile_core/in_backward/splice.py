@@ -2,7 +2,7 @@
 
 `SplicedUpdates` is the `AfterReduce` (ddp/in_graph/hooks.py) of a graph compiled with updates: the graph
 pass calls it once every bucket's all-reduce is issued, and it places each bucket's wait and, after it,
-the update of its parameters, on the real parameter and state tensors: one call of torch's fused Adam/AdamW
+the update of its parameters, on the real parameter and state tensors: one call of torch's fused SGD/Adam/AdamW
 kernel per param group, dtype and device of the bucket (`FusedKernel`), or, where that kernel does not apply,
 one copy of the parameter's update graph per parameter (`UpdateTemplate`); both built by
 compile_core/in_backward/optimizer.py. Without clipping the buckets are pipelined
@@ -57,23 +57,24 @@ class UpdateTemplate:
 
 @dataclasses.dataclass(frozen=True)
 class FusedKernel:
-    """torch's fused Adam/AdamW kernel (`aten._fused_adam_` / `_fused_adamw_`, the overload that reads `lr` as a
-    tensor), one call per bucket for the parameters of one param group, dtype and device: nothing of the update
-    is compiled, and a bucket updates in a launch or a few. Built by compile_core/in_backward/optimizer.py."""
+    """torch's fused SGD, Adam or AdamW kernel (`aten._fused_sgd_`, `_fused_adam_`, `_fused_adamw_`, the
+    overloads that read `lr` as a tensor), one call per bucket for the parameters of one param group, dtype and
+    device: nothing of the update is compiled, and a bucket updates in a launch or a few. Built by
+    compile_core/in_backward/optimizer.py."""
 
     op: Any
     """The kernel's `OpOverload`."""
     options: tuple[tuple[str, Any], ...]
-    """Its keyword options other than `lr` (betas, weight decay, eps, amsgrad, maximize): constants of the
-    compiled backward, so a change of one is a change of graph."""
+    """Its keyword options other than `lr` (betas, weight decay, eps, momentum, dampening and the flags):
+    constants of the compiled backward, so a change of one is a change of graph."""
     state_keys: tuple[str, ...]
-    """Keys of `optimizer.state[p]` passed as state tensors, in the kernel's order (exp_avg, exp_avg_sq and,
-    with amsgrad, max_exp_avg_sq)."""
+    """Keys of `optimizer.state[p]` passed as state tensors, in the kernel's order (Adam: exp_avg, exp_avg_sq
+    and, with amsgrad, max_exp_avg_sq; SGD: momentum_buffer, or none without momentum)."""
     lr_column: int
     """Column of the scalar table that holds the group's learning rate."""
-    step_column: int
-    """Column of the scalar table that holds the step count this update reaches (the kernel's step count:
-    the host advances the optimizer's own counts after the backward)."""
+    step_column: int | None
+    """Adam's: column of the scalar table that holds the step count this update reaches (the kernel's step
+    count: the host advances the optimizer's own counts after the backward). None: SGD, which counts none."""
 
     def cache_key(self) -> tuple:
         return (str(self.op), self.options, self.state_keys, self.lr_column, self.step_column)
@@ -284,12 +285,11 @@ def _apply_fused(
     roles = [updates.role_inputs[index] for index, _ in members]
     states = [[input_node(r[k]) for r in roles] for k in range(len(kernel.state_keys))]
     table = input_node(roles[0][-1])
-    steps = builder.call(_ops.select.int, [table, 1, kernel.step_column])
     lr = builder.call(_ops.select.int, [builder.call(_ops.select.int, [table, 1, kernel.lr_column]), 0, 0])
-    step_counts = [builder.call(_ops.select.int, [steps, 0, updates.scalar_rows[index]]) for index, _ in members]
-    max_exp_avg_sqs = states[2] if len(states) > 2 else []
-    return builder.call(
-        kernel.op,
-        [params, grads, states[0], states[1], max_exp_avg_sqs, step_counts],
-        {"lr": lr, **dict(kernel.options)},
-    )
+    if kernel.step_column is None:  # SGD: the momentum buffers, or none
+        args = [params, grads, states[0] if states else []]
+    else:
+        steps = builder.call(_ops.select.int, [table, 1, kernel.step_column])
+        counts = [builder.call(_ops.select.int, [steps, 0, updates.scalar_rows[index]]) for index, _ in members]
+        args = [params, grads, states[0], states[1], states[2] if len(states) > 2 else [], counts]
+    return builder.call(kernel.op, args, {"lr": lr, **dict(kernel.options)})

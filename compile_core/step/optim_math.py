@@ -48,8 +48,8 @@ ADAM_SCALARS = (
 )
 """The layout of an Adam/AdamW scalar vector (the last two are what torch's fused kernel reads instead of the
 others: the learning rate and the step count the update reaches)."""
-SGD_SCALARS = ("weight_decay", "momentum", "one_minus_dampening", "neg_lr")
-"""The layout of an SGD scalar vector."""
+SGD_SCALARS = ("weight_decay", "momentum", "one_minus_dampening", "neg_lr", "lr")
+"""The layout of an SGD scalar vector (the last is the learning rate torch's fused kernel reads)."""
 
 
 def is_adam(optimizer: torch.optim.Optimizer) -> bool:
@@ -178,7 +178,7 @@ def scalars(
     else:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         momentum, dampening = float(group["momentum"]), float(group["dampening"])
-        rows = [[wd, momentum, 1 - dampening, -lr] for _ in steps]
+        rows = [[wd, momentum, 1 - dampening, -lr, lr] for _ in steps]
     host = torch.tensor(rows, dtype=torch.float32)
     if device is None or torch.device(device).type == "cpu":
         return host

@@ -219,7 +219,12 @@ def _check_metrics(modes: dict) -> None:
     for mode, agg in modes.items():
         first = agg["first_step"]["smoke"]
         compiled = mode not in NO_COMPILE_MODES
-        assert (first["compile_s"] > 0) == compiled and (first["dynamo_s"] > 0) == compiled, (mode, first)
+        if mode == "ours_step_in_backward":
+            # update 1 runs as eager DDP by design (compile_core/in_backward/path.py) and compiles nothing; the
+            # model compiles at update 2, a timed step of the smoke run (one warm-up step)
+            assert first["compile_s"] == 0 and first["timed_compile_s"] > 0, (mode, first)
+        else:
+            assert (first["compile_s"] > 0) == compiled and (first["dynamo_s"] > 0) == compiled, (mode, first)
         parts = sum(first[k] for k in ("dynamo_s", "aot_s", "inductor_s", "cpp_compile_s", "other_s"))
         assert parts == pytest.approx(first["wall_s"], rel=0.05, abs=0.05), (mode, first)
         assert all(v and v > 0 for v in agg["steady_peak_rss_mb_per_rank"]), mode

@@ -73,14 +73,31 @@ def test_the_first_moment_formula_is_fixed_when_the_template_is_captured():
     assert "low_lerp" in (updates.changed_hyperparameters() or "")
 
 
-@pytest.mark.parametrize("kind", ["adam", "adamw"])
-def test_a_contiguous_adam_parameter_is_updated_by_torchs_fused_kernel_a_strided_one_by_the_update_graph(kind):
+FUSED_OPTIONS = {
+    "adam": {"beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8, "amsgrad": False, "maximize": False},
+    "adamw": {"beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01, "eps": 1e-8, "amsgrad": False, "maximize": False},
+    "sgd": {
+        "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0, "nesterov": False, "maximize": False,
+        "is_first_step": False,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+def test_a_contiguous_parameter_is_updated_by_torchs_fused_kernel_a_strided_or_bf16_one_by_the_update_graph(kind):
     """The fused kernel walks each tensor as flat memory, so it only takes parameters laid out as their
-    bucket's gradient views (contiguous); Adam's L2 decay and AdamW's decoupled decay pick their kernel."""
+    bucket's gradient views (contiguous), and rounds a bf16 update once where eager rounds per op; Adam's L2
+    decay and AdamW's decoupled decay pick their kernel."""
     torch.manual_seed(0)
     dense, strided = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6, 4).t())
-    optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]([dense, strided], lr=1e-2)
-    for p in (dense, strided):
+    low = nn.Parameter(torch.randn(4, 6, dtype=torch.bfloat16))
+    make = {
+        "adam": torch.optim.Adam,
+        "adamw": torch.optim.AdamW,
+        "sgd": lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9),
+    }[kind]
+    optimizer = make([dense, strided, low], lr=1e-2)
+    for p in (dense, strided, low):
         p.grad = torch.randn_like(p)
     optimizer.step()
     updates = OptimizerInBackward(optimizer)
@@ -88,11 +105,10 @@ def test_a_contiguous_adam_parameter_is_updated_by_torchs_fused_kernel_a_strided
     kernel = updates.update_for(dense)
     assert isinstance(kernel, FusedKernel), kernel
     assert kernel.op is getattr(torch.ops.aten, f"_fused_{kind}_").tensor_lr
-    assert dict(kernel.options) == {
-        "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0 if kind == "adam" else 0.01, "eps": 1e-8,
-        "amsgrad": False, "maximize": False,
-    }  # fmt: skip
+    assert dict(kernel.options) == FUSED_OPTIONS[kind]
+    assert kernel.state_keys == (("momentum_buffer",) if kind == "sgd" else ("exp_avg", "exp_avg_sq"))
     assert isinstance(updates.update_for(strided), UpdateTemplate)
+    assert isinstance(updates.update_for(low), UpdateTemplate)
     assert updates.fused_groups() == [0]
 
 

@@ -291,6 +291,36 @@ def test_fused_adam_kernel_is_the_step_of_a_fused_adam_with_lr_and_counts_read_f
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fused_sgd_kernel_is_the_step_of_a_fused_sgd_with_lr_read_from_a_tensor(momentum):
+    with canary("aot/torch_eager.py:fused_sgd_kernel"):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5))]
+        ref = [nn.Parameter(p.detach().clone()) for p in params]
+        grads = [torch.randn_like(p) for p in params]
+        opt = torch.optim.SGD(ref, lr=0.1, momentum=momentum, weight_decay=0.01, fused=True)
+        buffers = []
+        for step in range(2):  # the second step decays the buffers the first created
+            for p, g in zip(ref, grads):
+                p.grad = g.clone()
+            opt.step()
+            if step == 0:
+                buffers = [opt.state[p]["momentum_buffer"].clone() for p in ref] if momentum else []
+                for p, r in zip(params, ref):
+                    p.data.copy_(r.data)
+        table = torch.tensor([[0.1]])
+        torch_eager.fused_sgd_kernel()(
+            [p.data for p in params], [g.clone() for g in grads], buffers,
+            weight_decay=0.01, momentum=momentum, lr=table[0, 0], dampening=0.0, nesterov=False, maximize=False,
+            is_first_step=False,
+        )  # fmt: skip
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p.data, r.data, rtol=0, atol=0)
+        for b, r in zip(buffers, ref):
+            torch.testing.assert_close(b, opt.state[r]["momentum_buffer"], rtol=0, atol=0)
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_add_to_each_advances_every_tensor_in_place():
     with canary("aot/torch_eager.py:add_to_each"):
         counts = [torch.tensor(0.0), torch.tensor(5.0), torch.tensor(41.0)]
