@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -77,9 +78,14 @@ def compile_with_guard_hook(
         where = f"{code.co_filename}:{code.co_firstlineno} {code.co_name}" if code is not None else ""
         on_guard_fail(str(getattr(failure, "reason", failure)), where)
 
-    # isolate_recompiles came with torch 2.13; without it (older builds, e.g. the GPU machines' 2.11) the
-    # wrappers of one code object share its cache, which only matters with several of them in a process.
+    # isolate_recompiles came with torch 2.13. Without it (2.11, the GPU machines' torch) every wrapper of one
+    # code object shares that code's cache: the per-block optimizer update compiles one function per distinct
+    # block, and each new block then failed the guards of the others (reported as recompiles), checked all of
+    # their guards at every call, and counted against one recompile limit (past 8, Dynamo runs it uncompiled).
+    # There a wrapper gets a copy of the function on a code object of its own: a cache of its own.
     isolation = {"isolate_recompiles": isolate_recompiles} if _TAKES_ISOLATE_RECOMPILES else {}
+    if isolate_recompiles and not _TAKES_ISOLATE_RECOMPILES:
+        fn = _on_own_code(fn)
     compiled = torch._dynamo.optimize(
         backend,
         nopython=fullgraph,
@@ -93,6 +99,16 @@ def compile_with_guard_hook(
 
 
 _TAKES_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
+
+
+def _on_own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a plain Python function) on a fresh copy of its code object, which Dynamo caches apart (its cache
+    hangs off the code object); anything else is returned as it is."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__module__ = fn.__kwdefaults__, fn.__qualname__, fn.__module__
+    return copy
 
 
 _REQUIRES_GRAD_GUARDED: list[bool] = []

@@ -40,6 +40,11 @@ OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+    # every option the fused kernels take (a third state list with amsgrad; maximize; SGD's dampening)
+    "adamw_amsgrad_maximize": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True),
+    "sgd_dampening_maximize": lambda ps: torch.optim.SGD(
+        ps, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3, maximize=True
+    ),
 }
 
 
@@ -188,6 +193,8 @@ SCENARIOS = {
     "adam_onecycle": lambda rank: _scenario(rank, opt="adam", sched="onecycle"),
     "adamw_eps_after_3": lambda rank: _scenario(rank, opt="adamw", sched="eps_after_3"),
     "adamw_foreach": lambda rank: _scenario(rank, opt="adamw_foreach"),
+    "adamw_amsgrad_maximize": lambda rank: _scenario(rank, opt="adamw_amsgrad_maximize"),
+    "sgd_dampening_maximize": lambda rank: _scenario(rank, opt="sgd_dampening_maximize"),
     "adamw_accum2": lambda rank: _scenario(rank, opt="adamw", accum=2),
     "adamw_clip": lambda rank: _scenario(rank, opt="adamw", clip=CLIP),
     "sgd_accum2_clip": lambda rank: _scenario(rank, opt="sgd_momentum", accum=2, clip=CLIP),
@@ -244,7 +251,14 @@ def _assert_like_eager(
     "name",
     [
         pytest.param(name, marks=pytest.mark.scenarios(name))
-        for name in ("sgd_momentum", "sgd_nesterov", "adam", "adamw_accum2")
+        for name in (
+            "sgd_momentum",
+            "sgd_nesterov",
+            "adam",
+            "adamw_accum2",
+            "adamw_amsgrad_maximize",
+            "sgd_dampening_maximize",
+        )
     ]
     + [pytest.param("adamw_foreach", marks=[pytest.mark.compat, pytest.mark.scenarios("adamw_foreach")])],
 )

@@ -95,8 +95,8 @@ def test_with_the_optimizer_in_the_backward_each_update_follows_its_own_wait_in_
     at = {n: i for i, n in enumerate(nodes)}
     issues = [n for n in nodes if _is(n, _c10d.all_reduce.default)]
     waits = [n for n in nodes if _is(n, _c10d.wait_tensor.default)]
-    # the spliced updates end in copies into the parameters and their optimizer state
-    updates = [n for n in nodes if n.target is torch.ops.aten.copy_.default]
+    # each bucket's update: one call of torch's fused SGD kernel on its parameters and momentum buffers
+    updates = [n for n in nodes if n.target is torch.ops.aten._fused_sgd_.tensor_lr]
     assert len(waits) == len(issues) >= 4 and updates, (len(issues), len(waits), len(updates))
     grads = [n for n in nodes if n.target in _GRAD_OPS]
     assert all(at[n] < at[grads[-1]] for n in issues[:-1])

@@ -33,6 +33,29 @@ def test_guard_hook_reports_the_reason_of_a_recompile():
         assert failures and "size" in failures[0][0].lower(), failures
 
 
+# Canary on torch 2.11.0, 2.13.0, 2.14.1 (2.11: isolated by a copy of the function's code object).
+def test_wrappers_of_one_function_compiled_with_isolate_recompiles_keep_caches_apart():
+    """What the per-block optimizer update relies on: one wrapper per distinct block, each compiled for its
+    own shapes, none failing another's guards (torch 2.11 shared the code object's cache between them)."""
+    with canary("aot/torch_dynamo.py:compile_with_guard_hook"):
+        failures: list[str] = []
+
+        def double(x, *, k=2):
+            return x * k
+
+        wrappers = [
+            torch_dynamo.compile_with_guard_hook(
+                double, "eager", on_guard_fail=lambda r, w: failures.append(r), dynamic=False, isolate_recompiles=True
+            )
+            for _ in range(3)
+        ]
+        for size, fn in zip((3, 5, 7), wrappers):
+            assert torch.equal(fn(torch.ones(size)), torch.full((size,), 2.0))
+            assert torch.equal(fn(torch.ones(size), k=3), torch.full((size,), 3.0))  # keyword defaults kept
+        # a new k may fail a wrapper's own guards; another wrapper's sizes never do
+        assert not [f for f in failures if "size" in f.lower()], failures
+
+
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_lookup_backend_and_restart_and_error_types():
     with canary("aot/torch_dynamo.py:lookup_backend/RestartAnalysis/DynamoError"):
