@@ -15,7 +15,8 @@ keeps it on the host): a count found elsewhere (update 1 creates them there alre
 the user's flags puts them back on the host) is moved once, as torch itself does when it loads a fused
 optimizer's state. The foreach step reads counts on either device, so the user's own step still runs.
 
-Not done with `optimizer_in_backward=True`: the update inside the backward reads back, on the host, every
+Not done with `optimizer_in_backward=True` (whose backward calls the fused kernel itself, per bucket, with
+the step counts of its own scalar table): the update inside the backward reads back, on the host, every
 step count something else advanced (`KnownSteps`, compile_core/step/optim_math.py), and torch's own step
 advances those of the parameters the backward leaves to it at every update: with the counts on the device,
 each such read would wait for the GPU's stream.
