@@ -43,7 +43,8 @@ class OptimizerInBackward:
         self._fused: dict[int, FusedKernel] = {}
         """param group index -> the fused kernel a compiled backward bakes its values into."""
         self._values_move: set[int] = set()
-        """param groups whose betas, weight decay or eps changed under a fused kernel: the update graph from then on."""
+        """param groups whose fused-kernel constants changed since update 1 (`moved_constants`): the update graph
+        from then on."""
         self.generation = 0
         """Bumped when a compiled backward's updates no longer fit and the next one must compile anew
         (`BackwardHook.generation`, ddp/in_graph/hooks.py)."""

@@ -164,3 +164,17 @@ def test_cuda_graphs_keep_the_update_after_the_backward_and_the_report_says_why(
     assert "CUDA graphs" in report["reason"] and "max-autotune-no-cudagraphs" in report["reason"], report
     plain = _in_backward_step(mode="max-autotune-no-cudagraphs")
     assert plain.report().to_dict()["optimizer_in_backward"]["reason"] is None
+
+
+def test_a_hooked_variant_of_a_later_generation_is_a_variant_of_its_own():
+    """A hook whose graphs must compile again (its `generation` moved: the fused kernel's constants changed)
+    names a new hooked variant, which Dynamo guards on; what a variant does is still read from its kind."""
+    from ddp.in_graph.variants import accumulates, hooked, variant_for
+
+    assert variant_for(sync=True, accumulated=False, hooked=True, generation=0) == "reduce_update"
+    assert variant_for(sync=True, accumulated=False, hooked=True, generation=1) == "reduce_update@1"
+    assert variant_for(sync=True, accumulated=True, hooked=True, generation=2) == "reduce_acc_update@2"
+    assert variant_for(sync=True, accumulated=False, hooked=False, generation=1) == "reduce"
+    assert variant_for(sync=False, accumulated=False, hooked=True, generation=1) == "local"
+    assert hooked("reduce_update@1") and not accumulates("reduce_update@1")
+    assert hooked("reduce_acc_update@2") and accumulates("reduce_acc_update@2")
