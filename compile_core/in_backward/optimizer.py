@@ -216,10 +216,11 @@ class OptimizerInBackward:
     def _fused_kernel(self, index: int, group: dict, param: torch.nn.Parameter) -> FusedKernel | None:
         if not self._fusable(index, param):
             return None
-        values = _kernel_values(self.optimizer, group)
+        # a kernel kept here holds the group's current values: `moved_constants`, before every synchronising
+        # forward, drops the one whose values moved
         kernel = self._fused.get(index)
-        if kernel is None or kernel.options[: len(values)] != values:
-            kernel = self._fused[index] = _fused_kernel_of(self.optimizer, group, values)
+        if kernel is None:
+            kernel = self._fused[index] = _fused_kernel_of(self.optimizer, group, _kernel_values(self.optimizer, group))
         return kernel
 
     def states(self, param: torch.nn.Parameter, template: UpdateTemplate | FusedKernel) -> list[torch.Tensor]:
