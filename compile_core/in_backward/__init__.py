@@ -33,7 +33,8 @@ Algorithm:
     (splice.py, placed by the in-graph graph pass through its hook), on the optimizer's own state
     tensors, updated in place, so `optimizer.state_dict()` is what an eager run gives. The update is
     chosen per parameter when the backward compiles (`OptimizerInBackward.update_for`):
-      - A contiguous fp32/fp64 parameter on a device with torch's fused kernels: torch's fused kernel
+      - A contiguous fp32/fp64 parameter on a device with torch's fused kernels (bf16/fp16 too in a group
+        whose own step is that kernel, `fused=True`): torch's fused kernel
         (`aten._fused_sgd_`/`_fused_adam_`/`_fused_adamw_`, the overloads that read `lr` as a tensor),
         one call per bucket, param group and dtype. Nothing of the update is compiled (the backward
         compiles as in-graph's does) and a bucket updates in a launch or a few. The kernel takes betas,
@@ -43,8 +44,9 @@ Algorithm:
         (a weight decay schedule that starts at update 3) moves its group to that graph for good, at the
         cost of one more compile of the model (the hook's `generation`, a hooked variant of its own:
         ddp/in_graph/variants.py), not one per change.
-      - Otherwise (a strided parameter; a bf16/fp16 one, which the kernel rounds once per update where
-        eager rounds per op; values a schedule moves): the update math of
+      - Otherwise (a strided parameter; a bf16/fp16 one of a group that is not `fused=True`, which the
+        kernel would round once per update where that step rounds per op; values a schedule moves): the
+        update math of
         compile_core/step/optim_math.py (torch's single-tensor step, with its step-dependent scalars
         computed on the host and passed in as one small vector) captured once per param group and
         dtype/device, on one small throwaway parameter, as an aten graph whose only in-place ops are the

@@ -201,13 +201,15 @@ class OptimizerInBackward:
     def _fusable(self, index: int, param: torch.nn.Parameter) -> bool:
         """Whether torch's fused kernel can update `param` (contiguous and not empty: on CUDA the kernel refuses
         other strides than the gradient's, and an empty tensor last in a list) with its group's values as
-        constants (none moved since update 1: `moved_constants`). Not a bf16/fp16 parameter: the kernel
-        rounds once per update where eager's step rounds per op, a unit in the last place apart at every
-        update (SGD on bf16 N(0, 1) weights, CPU: up to 0.019 apart after one update), which training carries
-        on; the update graph rounds as eager does."""
+        constants (none moved since update 1: `moved_constants`). A bf16/fp16 parameter only where the user's
+        own step is that kernel (`fused=True`): the kernel rounds once per update where eager's other steps
+        round per op, a unit in the last place apart at every update (SGD on bf16 N(0, 1) weights, CPU: up to
+        0.019 apart after one update), which training carries on; the update graph rounds per op."""
+        wide = param.dtype in (torch.float32, torch.float64)
+        half = param.dtype in (torch.bfloat16, torch.float16)
         return (
             index not in self._values_move
-            and param.dtype in (torch.float32, torch.float64)
+            and (wide or (half and bool(self.optimizer.param_groups[index].get("fused"))))
             and param.is_contiguous()
             and param.numel() > 0
             and param.device.type in fused_kernel_devices()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -109,6 +111,22 @@ def test_a_contiguous_parameter_is_updated_by_torchs_fused_kernel_a_strided_or_b
     assert kernel.state_keys == (("momentum_buffer",) if kind == "sgd" else ("exp_avg", "exp_avg_sq"))
     assert isinstance(updates.update_for(strided), UpdateTemplate)
     assert isinstance(updates.update_for(low), UpdateTemplate)
+    assert updates.fused_groups() == [0]
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_a_bf16_parameter_takes_the_fused_kernel_where_the_users_step_is_that_kernel(kind):
+    """With `fused=True` the user's own step rounds a bf16 update once, as the kernel does; the update graph
+    would round per op."""
+    torch.manual_seed(0)
+    low = nn.Parameter(torch.randn(4, 6, dtype=torch.bfloat16))
+    make = torch.optim.AdamW if kind == "adamw" else functools.partial(torch.optim.SGD, momentum=0.9)
+    optimizer = make([low], lr=1e-2, fused=True)
+    low.grad = torch.randn_like(low)
+    optimizer.step()
+    updates = OptimizerInBackward(optimizer)
+    updates.prepare()
+    assert isinstance(updates.update_for(low), FusedKernel)
     assert updates.fused_groups() == [0]
 
 
