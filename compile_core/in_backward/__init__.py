@@ -33,8 +33,9 @@ Algorithm:
     (splice.py, placed by the in-graph graph pass through its hook), on the optimizer's own state
     tensors, updated in place, so `optimizer.state_dict()` is what an eager run gives. The update is
     chosen per parameter when the backward compiles (`OptimizerInBackward.update_for`):
-      - A contiguous fp32/fp64 parameter on a device with torch's fused kernels (bf16/fp16 too in a group
-        whose own step is that kernel, `fused=True`): torch's fused kernel
+      - A contiguous fp32/fp64 parameter on a device with torch's fused kernels (bf16/fp16 too with
+        Inductor, which compiles their update graph into kernels that round once, as the fused kernel does,
+        or in a group whose own step is that kernel, `fused=True`): torch's fused kernel
         (`aten._fused_sgd_`/`_fused_adam_`/`_fused_adamw_`, the overloads that read `lr` as a tensor),
         one call per bucket, param group and dtype. Nothing of the update is compiled (the backward
         compiles as in-graph's does) and a bucket updates in a launch or a few. The kernel takes betas,
@@ -44,8 +45,8 @@ Algorithm:
         (a weight decay schedule that starts at update 3) moves its group to that graph for good, at the
         cost of one more compile of the model (the hook's `generation`, a hooked variant of its own:
         ddp/in_graph/variants.py), not one per change.
-      - Otherwise (a strided parameter; a bf16/fp16 one of a group that is not `fused=True`, which the
-        kernel would round once per update where that step rounds per op; values a schedule moves): the
+      - Otherwise (a strided parameter; a bf16/fp16 one of a group that is not `fused=True` under a backend
+        that runs the graph op by op, rounding per op as eager's step does; values a schedule moves): the
         update math of
         compile_core/step/optim_math.py (torch's single-tensor step, with its step-dependent scalars
         computed on the host and passed in as one small vector) captured once per param group and
@@ -77,7 +78,8 @@ Weight decay is always in the graph (0 decays by exactly nothing), so it may cha
 under the fused kernel, above).
 
 Debugging: `TrainStep.report()` has an `optimizer_in_backward` entry (active, reason, from which
-update, `fused_kernel_groups`: the param groups torch's fused kernel updates,
+update, `fused_kernel_groups`: the param groups torch's fused kernel updates, `update_graph_groups`: the
+(group, dtype, device) on the per-parameter update graph, with their parameter counts,
 `recompiled_for_changed_constants`: which of its constants moved, before which update); `TORCH_LOGS=output_code`
 shows the update kernels (or the fused kernel's calls) between the backward's kernels.
 """

@@ -36,10 +36,11 @@ class InBackwardController:
         reducer: InGraphReducer,
         *,
         clip_max_norm: float | None,
+        half_on_kernel: bool = False,
         blocker: str | None = None,
     ) -> None:
         self.reducer = reducer
-        self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm)
+        self.updates = OptimizerInBackward(optimizer, clip_max_norm=clip_max_norm, half_on_kernel=half_on_kernel)
         self.hook = UpdatesHook(self.updates)
         self.reason: str | None = blocker or support(optimizer)
         """Why updates are not (or no longer) inside the backward; None while they are or may be."""
@@ -167,6 +168,7 @@ class InBackwardController:
             "grads_kept_last_backward": outcome.grads_kept,
             "not_updated_in_backward": list(outcome.skipped),
             "fused_kernel_groups": self.updates.fused_groups(),
+            "update_graph_groups": self.updates.update_graph_groups(),
             "recompiled_for_changed_constants": list(self.recompiled_for),
             "clip": None
             if self.updates.clip_max_norm is None

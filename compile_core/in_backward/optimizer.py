@@ -29,10 +29,15 @@ class OptimizerInBackward:
         optimizer: torch.optim.Optimizer,
         *,
         clip_max_norm: float | None = None,
+        half_on_kernel: bool = False,
     ) -> None:
         self.optimizer = optimizer
         self.clip_max_norm = clip_max_norm
         """With clipping, every bucket is updated after the last all-reduce (global norm first)."""
+        self.half_on_kernel = half_on_kernel
+        """Whether bf16/fp16 parameters of any group take torch's fused kernel (`_fusable`): the backend compiles
+        the update graph into kernels that compute in fp32 and round once per update, as that kernel does
+        (Inductor), so the graph would only cost its compile."""
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
         self.norm = torch.zeros((), dtype=torch.float32, device=device) if clip_max_norm is not None else None
         """Receives the total gradient norm (before clipping) from the backward."""
@@ -198,18 +203,33 @@ class OptimizerInBackward:
         """The param groups whose compiled update is torch's fused kernel."""
         return sorted(self._fused)
 
+    def update_graph_groups(self) -> list[dict[str, Any]]:
+        """The (param group, dtype, device) whose parameters take the per-parameter update graph (captured for
+        them: the kernel cannot take them, or their group's values moved), with how many parameters each: the
+        part of the update that costs compile time."""
+        out = []
+        for index, dtype, device in sorted(self._templates, key=lambda k: (k[0], str(k[1]), str(k[2]))):
+            group = self.optimizer.param_groups[index]
+            count = sum(p.dtype == dtype and p.device == device for p in group["params"])
+            out.append(
+                {"group": index, "dtype": str(dtype).removeprefix("torch."), "device": str(device), "params": count}
+            )
+        return out
+
     def _fusable(self, index: int, param: torch.nn.Parameter) -> bool:
         """Whether torch's fused kernel can update `param` (contiguous and not empty: on CUDA the kernel refuses
         other strides than the gradient's, and an empty tensor last in a list) with its group's values as
-        constants (none moved since update 1: `moved_constants`). A bf16/fp16 parameter only where the user's
-        own step is that kernel (`fused=True`): the kernel rounds once per update where eager's other steps
-        round per op, a unit in the last place apart at every update (SGD on bf16 N(0, 1) weights, CPU: up to
-        0.019 apart after one update), which training carries on; the update graph rounds per op."""
+        constants (none moved since update 1: `moved_constants`). A bf16/fp16 parameter where the user's own
+        step is that kernel (`fused=True`) or the backend rounds the update graph as it does
+        (`half_on_kernel`): the kernel rounds once per update where eager's other steps round per op, a unit
+        in the last place apart at every update (SGD on bf16 N(0, 1) weights, CPU: up to 0.019 apart after one
+        update), which training carries on; the update graph run op by op rounds as eager does."""
         wide = param.dtype in (torch.float32, torch.float64)
         half = param.dtype in (torch.bfloat16, torch.float16)
+        rounds_once = self.half_on_kernel or bool(self.optimizer.param_groups[index].get("fused"))
         return (
             index not in self._values_move
-            and (wide or (half and bool(self.optimizer.param_groups[index].get("fused"))))
+            and (wide or (half and rounds_once))
             and param.is_contiguous()
             and param.numel() > 0
             and param.device.type in fused_kernel_devices()

@@ -78,6 +78,9 @@ class InBackwardPath:
             ctx.optimizer,
             ctx.compiled.in_graph,
             clip_max_norm=ctx.config.clip_grad_norm,
+            # Inductor compiles the update graph of a 16-bit parameter into one kernel that rounds once, as
+            # torch's fused kernel does; the other backends run it op by op, rounding as eager's step
+            half_on_kernel=ctx.config.backend == "inductor",
             blocker=in_backward_blocker(
                 ctx.config, grad_scaler=ctx.grad_scaler is not None, device_type=ctx.device_type
             ),

@@ -108,6 +108,35 @@ def test_cpu_kernels_are_leaf_compute_ops_and_inductor_cpp_kernels():
     assert step["kernel_ms"] == pytest.approx((70 + 34 + 90 + 90 + 90 + 85 + 50) / 1e3)
 
 
+def test_the_cpu_loop_inside_a_multi_tensor_op_is_one_kernel_and_no_host_ops_of_its_own():
+    """torch's fused Adam on the CPU reads each step count with `.item()` and a foreach add runs an `add_` per
+    tensor, inside the op; a GPU does both on the device, so on the CPU they count neither as kernels, host ops
+    nor scalar reads. A read outside such an op still counts."""
+    from benchmarks.kernels import summarize_kernels
+
+    events = [
+        _ev("bench::step", 0, 1000, kind="user_annotation"),
+        _ev("aten::_foreach_add_", 10, 100, kind="cpu_op"),
+        _ev("aten::add_", 20, 40, kind="cpu_op"),
+        _ev("aten::add_", 50, 70, kind="cpu_op"),
+        _ev("aten::_fused_adamw_", 200, 600, kind="cpu_op"),
+        _ev("aten::item", 210, 220, kind="cpu_op"),
+        _ev("aten::_local_scalar_dense", 211, 219, kind="cpu_op"),
+        _ev("aten::item", 300, 320, kind="cpu_op"),
+        _ev("aten::_local_scalar_dense", 301, 319, kind="cpu_op"),
+        _ev("aten::mul_", 400, 500, kind="cpu_op", thread=2),  # another thread: not inside the fused op
+        _ev("aten::item", 700, 720, kind="cpu_op"),
+        _ev("aten::_local_scalar_dense", 701, 719, kind="cpu_op"),
+    ]
+    step = summarize_kernels(events)["per_step"][0]
+    assert step["kernels"] == 3  # the foreach add, the fused AdamW, mul_
+    assert (step["host_ops"], step["scalar_reads"]) == (5, 1)
+    assert dict(summarize_kernels(events)["host_top"])["aten::item"] == 1
+    # on a GPU rank the host's own events are all host work
+    gpu = events + [_ev("k", 200, 210, device="cuda", kind="kernel")]
+    assert summarize_kernels(gpu)["per_step"][0]["host_ops"] == 11
+
+
 def test_no_step_mark_means_not_measured():
     from benchmarks.kernels import summarize_kernels
 

@@ -127,7 +127,26 @@ def test_a_bf16_parameter_takes_the_fused_kernel_where_the_users_step_is_that_ke
     updates = OptimizerInBackward(optimizer)
     updates.prepare()
     assert isinstance(updates.update_for(low), FusedKernel)
-    assert updates.fused_groups() == [0]
+    assert updates.fused_groups() == [0] and updates.update_graph_groups() == []
+
+
+def test_a_bf16_parameter_takes_the_fused_kernel_where_the_backend_rounds_its_update_once():
+    """Inductor compiles a bf16 update graph into one kernel that rounds once, as torch's fused kernel does
+    (`half_on_kernel`); run op by op (aot_eager) the graph rounds as eager's step, and the report names it."""
+    torch.manual_seed(0)
+    low, wide = nn.Parameter(torch.randn(4, 6, dtype=torch.bfloat16)), nn.Parameter(torch.randn(3))
+    optimizer = torch.optim.AdamW([low, wide], lr=1e-2, foreach=True)
+    for p in (low, wide):
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    op_by_op = OptimizerInBackward(optimizer)
+    op_by_op.prepare()
+    assert isinstance(op_by_op.update_for(low), UpdateTemplate)
+    assert op_by_op.update_graph_groups() == [{"group": 0, "dtype": "bfloat16", "device": "cpu", "params": 1}]
+    rounds_once = OptimizerInBackward(optimizer, half_on_kernel=True)
+    rounds_once.prepare()
+    assert isinstance(rounds_once.update_for(low), FusedKernel)
+    assert rounds_once.update_graph_groups() == []
 
 
 def test_values_a_schedule_moved_since_update_1_keep_the_update_graph_later_changes_are_named():
