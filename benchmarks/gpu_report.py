@@ -12,6 +12,7 @@ from typing import Any
 
 from benchmarks.checksum import checksum_distance
 from benchmarks.config import MODE_HELP
+from benchmarks.kernels import HOST_OPS_SCOPE
 
 GPU_BEGIN = (
     "<!-- generated-gpu:begin: `python -m benchmarks.gpu --render ...` rewrites everything from here to "
@@ -120,6 +121,14 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _loops_left_out(result: dict[str, Any]) -> bool:
+    """Whether this run's CPU host ops leave out the loops inside multi-tensor ops (runs from before that
+    counted them: benchmarks/kernels.py, `HOST_OPS_SCOPE`)."""
+    return any(
+        (row.get("kernels") or {}).get("host_ops_scope") == HOST_OPS_SCOPE for row in result.get("modes", {}).values()
+    )
+
+
 def _k(row: dict[str, Any], key: str, spec: str = ".1f") -> str:
     return _f((row.get("kernels") or {}).get(key), spec)
 
@@ -142,6 +151,7 @@ def table(result: dict[str, Any]) -> list[str]:
         outside,
         "ms to the first kernel",
         "graph calls/step",
+        "scalar reads/step",
         "host ops/step",
         "params vs eager",
     ]
@@ -163,6 +173,7 @@ def table(result: dict[str, Any]) -> list[str]:
             _f(gap),
             _k(row, "lead_ms", ".2f"),
             _k(row, "graph_calls", ".0f"),
+            _k(row, "scalar_reads", ".0f"),
             _k(row, "host_ops", ".0f"),
             _f(row.get("param_distance"), ".1e"),
         ]
@@ -236,15 +247,23 @@ def describe(result: dict[str, Any]) -> list[str]:
         f"- Kernels (torch.profiler, {cfg['profile_steps']} steps after the timed ones, per-step medians; "
         "benchmarks/kernels.py): "
         + (
-            "leaf compute ops on the host (aten ops that are not views or allocations, Inductor C++ kernels); "
+            "leaf compute ops on the host (aten ops that are not views or allocations, Inductor C++ kernels; a "
+            "foreach op or torch's fused optimizer kernel once); "
             "kernel ms = host time inside them; step ms - kernel ms = the framework's share of the (unprofiled) step"
             if result.get("device") == "cpu"
             else "CUDA kernels (copies and fills apart); busy = union of their intervals; step ms - busy ms = "
             "the (unprofiled) step's time with the GPU idle"
         )
         + "; ms to the first kernel = from the step's start (after the previous step's sync) to its first "
-        "kernel; graph calls = compiled Inductor graphs called; host ops = the host's aten ops in the step, "
-        "nested ones too (a CPU figure that ranks the modes as the GPU's host-bound steps do: issue 34, item 6).",
+        "kernel; graph calls = compiled Inductor graphs called; scalar reads = `.item()` calls (a wait for the device "
+        "where the tensor is on the GPU); host ops = the host's aten ops in the step, "
+        "nested ones too"
+        + (
+            ", but not the per-tensor loop inside a foreach op or a fused optimizer kernel, which a GPU runs on "
+            "the device (issue 34, item 6)."
+            if _loops_left_out(result)
+            else "."
+        ),
         "- Warm start-up (phase C, where listed): a fresh process on the mode's cache, alone.",
         "- params vs eager: distance of the final parameters' update from eager's (benchmarks/checksum.py).",
         "- Phases: "

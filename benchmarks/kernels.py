@@ -82,6 +82,10 @@ RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")
 NON_OP_KINDS = frozenset({"user_annotation", "gpu_user_annotation", "python_function"})
 
 
+HOST_OPS_SCOPE = "outside multi-tensor ops"
+"""How a CPU step's host ops and scalar reads are counted (the module Note), recorded with them."""
+
+
 def _is_device(e: Event) -> bool:
     return e.device != "cpu"
 
@@ -301,6 +305,8 @@ def summarize_kernels(events: Sequence[Event]) -> dict[str, Any]:
     if not steps:
         return {"measured": False, "reason": f"no '{STEP_MARK}' event: no step was profiled"}
     out: dict[str, Any] = {"measured": True, "device": steps[0]["device"], "steps": len(steps)}
+    if out["device"] == "cpu":
+        out["host_ops_scope"] = HOST_OPS_SCOPE  # results written before it counted the loops too
     for key in SUMMED + ("cpp_kernels",):
         values = [s[key] for s in steps if s.get(key) is not None]
         if values:

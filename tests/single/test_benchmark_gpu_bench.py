@@ -128,13 +128,16 @@ def test_the_cpu_loop_inside_a_multi_tensor_op_is_one_kernel_and_no_host_ops_of_
         _ev("aten::item", 700, 720, kind="cpu_op"),
         _ev("aten::_local_scalar_dense", 701, 719, kind="cpu_op"),
     ]
-    step = summarize_kernels(events)["per_step"][0]
+    got = summarize_kernels(events)
+    assert got["host_ops_scope"] == "outside multi-tensor ops"  # the renderer tells it from older results
+    step = got["per_step"][0]
     assert step["kernels"] == 3  # the foreach add, the fused AdamW, mul_
     assert (step["host_ops"], step["scalar_reads"]) == (5, 1)
     assert dict(summarize_kernels(events)["host_top"])["aten::item"] == 1
     # on a GPU rank the host's own events are all host work
     gpu = events + [_ev("k", 200, 210, device="cuda", kind="kernel")]
     assert summarize_kernels(gpu)["per_step"][0]["host_ops"] == 11
+    assert "host_ops_scope" not in summarize_kernels(gpu)
 
 
 def test_no_step_mark_means_not_measured():
