@@ -80,9 +80,12 @@ def local_layout(ddp: DistributedDataParallel, buckets: Sequence[Sequence[torch.
     """`buckets` (backward order) as lists of indices into DDP's parameter list.
 
     Parameters DDP reduces but that no bucket names are appended as last buckets, one per
-    dtype/device (the reducer wants one of each per bucket), so every parameter is still reduced.
+    dtype/device (the reducer wants one of each per bucket), so every parameter is still reduced. A
+    parameter whose gradient is sparse (`nn.Embedding(sparse=True)`) gets a bucket of its own, ahead of
+    the rest of its bucket: a `Reducer` refuses it in a bucket with others, and DDP's own layout gives
+    it one alone.
     """
-    parameters, _ = torch_ddp.reducer_params(ddp)
+    parameters, expect_sparse = torch_ddp.reducer_params(ddp)
     index_of = {id(p): i for i, p in enumerate(parameters)}
     layout: list[list[int]] = []
     seen: set[int] = set()
@@ -96,7 +99,15 @@ def local_layout(ddp: DistributedDataParallel, buckets: Sequence[Sequence[torch.
         if i not in seen:
             by_key.setdefault((parameters[i].dtype, parameters[i].device), []).append(i)
     layout.extend(by_key.values())
-    return layout
+    if not any(expect_sparse):
+        return layout
+    alone: list[list[int]] = []
+    for bucket in layout:
+        alone.extend([i] for i in bucket if expect_sparse[i])
+        dense = [i for i in bucket if not expect_sparse[i]]
+        if dense:
+            alone.append(dense)
+    return alone
 
 
 def rebuild_reducer(ddp: DistributedDataParallel, layout: Sequence[Sequence[int]]) -> bool:

@@ -7,7 +7,7 @@
   `EagerPath` when its compile fails), eager, torch's fused step (`FusedStepPath`), GradScaler (`ScalerPath`);
 * `config.py`, `report.py`, `checks.py` -- its configuration, report and input checks;
 * `update.py` -- the optimizer update after the backward compiled whole, and its capture check;
-* `fused.py` -- a multi-tensor Adam/AdamW step run as torch's fused step instead (nothing to compile);
+* `fused.py` -- a multi-tensor SGD/Adam/AdamW step run as torch's fused step instead (nothing to compile);
 * `chunked_update.py` -- the same update compiled once per repeated block (SGD, Adam, AdamW);
 * `chunk_plan.py` -- the chunks: each param group cut per repeated block;
 * `chunk_math.py` -- the function a chunk's update runs, and its arguments;

@@ -1,5 +1,5 @@
 """The update paths that run after the backward: compiled (`CompiledPath`), eager (`EagerPath`), torch's fused
-step (`FusedStepPath`: the user's `fused=True`, or a multi-tensor Adam/AdamW run fused, compile_core/step/fused.py),
+step (`FusedStepPath`: the user's `fused=True`, or a multi-tensor SGD/Adam/AdamW run fused, compile_core/step/fused.py),
 with a GradScaler (`ScalerPath`). Each is an `UpdatePath` (compile_core/step/update_path.py).
 
 `CompiledPath` compiles clip + step at its first update, per repeated block (`ChunkedUpdate`, for SGD,

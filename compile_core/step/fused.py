@@ -1,16 +1,19 @@
-"""A multi-tensor Adam or AdamW step run as torch's fused step, uncompiled (`fused_instead`, `FusedWhileStepping`).
+"""A multi-tensor SGD, Adam or AdamW step run as torch's fused step, uncompiled (`fused_instead`,
+`FusedWhileStepping`).
 
 Compiled whole (`CompiledUpdate`), a foreach `optimizer.step()` is the largest compile of a train step: on
-one H100 (torch 2.11, GPT-2-small, 149 parameters, 14 cold jobs side by side) the in-graph step's update
-graph took 58.6 s of its 101 s to the end of step 2, the whole model 23.8 s. torch's fused Adam/AdamW kernel
-does the same update with one launch per device and dtype (a few for many tensors) and compiles nothing.
-So when every param group of an Adam or AdamW would take the multi-tensor step (`foreach=True`, or torch's
+one H100 (torch 2.11, GPT-2-small, 149 parameters, 14 cold jobs side by side) the in-graph step's AdamW update
+graph took 58.6 s of its 101 s to the end of step 2, the whole model 23.8 s; on the 2-core CPU (torch 2.13, a
+12-block GPT of 149 parameters) a foreach SGD with momentum compiled twice (update 1 creates its momentum
+buffers), 73.8 s against the model's 85.0 s. torch's fused SGD/Adam/AdamW kernel does the same update with
+one launch per device and dtype (a few for many tensors) and compiles nothing.
+So when every param group of an SGD, Adam or AdamW would take the multi-tensor step (`foreach=True`, or torch's
 default on CUDA) on devices with fused kernels, and none says `fused=False`, the update is torch's fused
 step: the groups say `fused=True, foreach=False` only while it runs, and hold the user's flags before and
 after, so `optimizer.state_dict()`, a direct `optimizer.step()` and a second optimizer see what plain
 PyTorch gives.
 
-The fused kernel reads each parameter's step count on the parameter's device (float32; the foreach step
+Adam's fused kernel reads each parameter's step count on the parameter's device (float32; the foreach step
 keeps it on the host): a count found elsewhere (update 1 creates them there already; a state loaded with
 the user's flags puts them back on the host) is moved once, as torch itself does when it loads a fused
 optimizer's state. The foreach step reads counts on either device, so the user's own step still runs.
@@ -32,13 +35,13 @@ import torch
 from aot.torch_eager import fused_kernel_devices
 from compile_core.step.update import multi_tensor_group
 
-FUSED_INSTEAD = (torch.optim.Adam, torch.optim.AdamW)
-"""The optimizers whose multi-tensor step runs fused (exactly these classes; SGD's compiled step is small)."""
+FUSED_INSTEAD = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+"""The optimizers whose multi-tensor step runs fused (exactly these classes)."""
 
 
 def fused_instead(optimizer: torch.optim.Optimizer) -> str | None:
     """Why the update runs as torch's fused step instead of compiled (see the module docstring), or None: not
-    an Adam/AdamW, or a param group that is not multi-tensor or that the fused kernel cannot take."""
+    an SGD/Adam/AdamW, or a param group that is not multi-tensor or that the fused kernel cannot take."""
     if type(optimizer) not in FUSED_INSTEAD or not optimizer.param_groups:
         return None
     devices = fused_kernel_devices()
@@ -86,10 +89,13 @@ class FusedWhileStepping:
     """`applied()`: the optimizer's groups set to torch's fused step while the update runs (module docstring).
 
     A param group added later that the fused kernel cannot take (or that loops over its parameters) keeps
-    its flags: torch steps it its own way inside the same `optimizer.step()`."""
+    its flags: torch steps it its own way inside the same `optimizer.step()`. So does an SGD group with a
+    sparse gradient (`nn.Embedding(sparse=True)`, which `ddp="split"` reduces), which torch's fused SGD
+    refuses and its foreach step takes."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
+        self._sparse_grads_allowed = isinstance(optimizer, torch.optim.SGD)
         self._devices = fused_kernel_devices()
         self._placed: dict[int, torch.Tensor] = {}
         """id(param) -> its step count, seen on the parameter's device as float32."""
@@ -100,7 +106,7 @@ class FusedWhileStepping:
     def applied(self) -> Iterator[None]:
         saved = []
         for group in self._optimizer.param_groups:
-            if not self._steps_fused(group):
+            if not self._steps_fused(group) or (self._sparse_grads_allowed and _has_sparse_grad(group)):
                 continue
             saved.append((group, group.get("foreach"), group.get("fused")))
             group["foreach"], group["fused"] = False, True
@@ -135,3 +141,7 @@ class FusedWhileStepping:
                 step = step.to(device=p.device, dtype=torch.float32)
             p_state["step"] = step
             placed[id(p)] = step
+
+
+def _has_sparse_grad(group: dict) -> bool:
+    return any(p.grad is not None and p.grad.is_sparse for p in group["params"])

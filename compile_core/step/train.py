@@ -35,7 +35,7 @@ Note (design):
        If the update cannot be compiled, it runs eagerly from then on and the report says why. With
        a GradScaler it runs eagerly; with every param group `fused=True`, torch's fused step runs as
        it is (one launch per device and dtype already; Dynamo does not trace it), and so does a
-       multi-tensor (foreach) Adam or AdamW, set to fused only while it steps (compile_core/step/fused.py:
+       multi-tensor (foreach) SGD, Adam or AdamW, set to fused only while it steps (compile_core/step/fused.py:
        compiled whole, its step was the largest compile of a train step on a GPU); with
        `optimizer_in_backward=True` inside the compiled backward (compile_core/in_backward/).
        After the update: `zero_grad(set_to_none=True)`, the scheduler.
@@ -236,7 +236,7 @@ def make_update_path(context: UpdateContext) -> UpdatePath:
     elif (fused := fused_step(context.optimizer)) is not None:
         after = FusedStepPath(context, fused)
     elif not context.config.optimizer_in_backward and (fused := fused_instead(context.optimizer)) is not None:
-        # a foreach Adam/AdamW: torch's fused kernel, where compiling the whole step cost the most start-up
+        # a foreach SGD/Adam/AdamW: torch's fused kernel, where compiling the whole step cost the most start-up
         # (not with the update inside the backward: it reads step counts on the host, fused keeps them on the device)
         after = FusedStepPath(context, fused, FusedWhileStepping(context.optimizer))
     else:

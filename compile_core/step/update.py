@@ -14,8 +14,8 @@ step loops over the parameters one by one (torch's default on the CPU). When it 
 compiles it: Dynamo traces a few `_foreach_*` calls over all parameters (cheap, where the per-parameter
 loop is what chunking saves) and Inductor lowers each into horizontally fused kernels, a few launches per
 update where chunks make one compiled call per block and a kernel per parameter (`multi_tensor_step`);
-a multi-tensor Adam or AdamW runs as torch's fused step instead (compile_core/step/fused.py), so this is
-SGD's, other optimizers' and the in-backward update's leftover step. With `fused=True` in every group,
+a multi-tensor SGD, Adam or AdamW runs as torch's fused step instead (compile_core/step/fused.py), so this is
+other optimizers', `fused=False` ones' and the in-backward update's leftover step. With `fused=True` in every group,
 torch's fused step runs as it is (`fused_step`, compile_core/step/train.py).
 """
 

@@ -6,7 +6,7 @@ A `TrainStep` holds one update path, chosen once by `make_update_path` (compile_
   block (`ChunkedUpdate`, SGD/Adam/AdamW) or as one `optimizer.step()` (`CompiledUpdate`); a compile that
   fails hands over to an `EagerPath` for good, and the report says why;
 * `EagerPath` (after_backward.py): clip + `optimizer.step()` eagerly, after a failed compile;
-* `FusedStepPath` (after_backward.py, every param group `fused=True`, or a multi-tensor Adam/AdamW set to
+* `FusedStepPath` (after_backward.py, every param group `fused=True`, or a multi-tensor SGD/Adam/AdamW set to
   fused while it steps, fused.py): clip + torch's fused step, uncompiled;
 * `ScalerPath` (after_backward.py, `grad_scaler=`): unscale, clip, `grad_scaler.step` / `update`, eagerly;
 * `InBackwardPath` (compile_core/in_backward/, `optimizer_in_backward=True`): the update inside the

@@ -142,6 +142,29 @@ class Mixed(nn.Module):
         return self.head(torch.tanh(self.b(h)).float())
 
 
+class SparseBag(nn.Module):
+    """A sparse-gradient embedding (`nn.Embedding(sparse=True)`, classic for SGD) under dense layers: DDP gives
+    it a bucket of its own, and all-reduces its sparse gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, WIDTH, sparse=True)
+        self.body = mlp(1)
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, idx):
+        return self.head(self.body(self.emb(idx).mean(1)))
+
+
+def index_data(rank: int, n: int, device: torch.device) -> list:
+    """Rows of token ids for `SparseBag`, different on every rank (so are the rows each rank's gradient touches)."""
+    g = torch.Generator().manual_seed(200 + rank)
+    return [
+        ((torch.randint(0, 32, (8, 4), generator=g).to(device),), torch.randn(8, OUT, generator=g).to(device))
+        for _ in range(n)
+    ]
+
+
 class MaxNormEmbedding(nn.Module):
     """`nn.Embedding(max_norm=...)`: the forward renormalises the rows it looks up, in place, in the
     parameter itself (rows of norm ~8 at init, so it does). The rows are the same on every rank, so the

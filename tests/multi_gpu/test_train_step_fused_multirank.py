@@ -1,4 +1,4 @@
-"""`train_step` with a foreach AdamW (CUDA's default), whose update after the backward is torch's fused step
+"""`train_step` with a foreach AdamW or SGD (CUDA's default), whose update after the backward is torch's fused step
 (compile_core/step/fused.py), on field scripts against the eager script.
 
 Each scenario replays a user's eager DDP loop (tests/multi_gpu/user_script.py: same DDP options, comm hook,
@@ -19,9 +19,11 @@ from tests.multi_gpu.field_models import (
     Branchy,
     Halve,
     Headed,
+    SparseBag,
     aux_on_head_bias,
     branch_from,
     halve_hook,
+    index_data,
     load_checkpoint_without_head_state_at_update_3,
     regression_data,
 )
@@ -40,6 +42,19 @@ def adamw_foreach(model):
 
 def adamw_foreach_groups(model):
     return adamw_groups(model, foreach=True)
+
+
+def sgd_foreach(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3, foreach=True)
+
+
+def sgd_momentum_foreach_no_decay(model):
+    """(torch's SGD cannot add weight decay to a sparse gradient)"""
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
+
+
+def sgd_nesterov_foreach(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, foreach=True)
 
 
 def _script(**kwargs) -> Script:
@@ -64,6 +79,8 @@ CASES = {
     "checkpoint_without_head_state_at_update_3": lambda: _script(
         before_step_opt=load_checkpoint_without_head_state_at_update_3
     ),
+    "sgd_momentum": lambda: _script(make_opt=sgd_foreach),
+    "sgd_nesterov_accumulation": lambda: _script(make_opt=sgd_nesterov_foreach, accum=2),
 }
 
 SCENARIOS = {
@@ -73,6 +90,15 @@ SCENARIOS = {
     for name, make in CASES.items()
     for mode in ("split", "in_graph")
 }
+
+
+# ddp="in_graph" refuses sparse gradients (by name); ddp="split" leaves them to DDP's reducer
+SCENARIOS["sparse_embedding_sgd_split"] = lambda r: run_against_eager(
+    _script(make_model=SparseBag, data=index_data, make_opt=sgd_momentum_foreach_no_decay),
+    r,
+    how="train_step",
+    ddp="split",
+)
 
 
 def _all(rank: int, world_size: int) -> dict:
@@ -88,7 +114,7 @@ def results():
 
 @pytest.mark.parametrize("mode", ["split", "in_graph"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_foreach_adamw_steps_fused_like_the_eager_foreach_script(results, case, mode):
+def test_a_foreach_adamw_or_sgd_steps_fused_like_the_eager_foreach_script(results, case, mode):
     per_rank = ok(results, f"{case}_{mode}")
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
     for r in per_rank:
@@ -96,3 +122,15 @@ def test_a_foreach_adamw_steps_fused_like_the_eager_foreach_script(results, case
         assert "fused=True" in (opt["as_is"] or "") and opt["graphs"] == 0, opt
         # the user's flags, as the script built them, after every update
         assert all(g["foreach"] is True and not g.get("fused") for g in r["param_groups"]), r["param_groups"]
+
+
+def test_a_sparse_embedding_with_a_foreach_sgd_reduces_and_steps_like_eager(results):
+    """DDP gives a sparse-gradient parameter a bucket of its own (a Reducer refuses it among others), so the
+    aligned buckets do too; torch's fused SGD refuses sparse gradients, so that parameter's group takes the
+    user's foreach step."""
+    per_rank = ok(results, "sparse_embedding_sgd_split")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    for r in per_rank:
+        alignment = r["report"]["alignment"]
+        assert alignment["status"] == "aligned" and ["emb.weight"] in alignment["buckets"], alignment
+        assert r["report"]["optimizer"]["graphs"] == 0, r["report"]["optimizer"]

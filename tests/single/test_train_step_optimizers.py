@@ -71,9 +71,10 @@ def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
 
 
 def test_a_multi_tensor_update_is_compiled_whole_like_torch_compile_of_the_step():
-    """foreach (torch's default on CUDA) SGD: the whole step is one graph of multi-tensor ops, as
-    torch.compile(optimizer.step) makes it, not one compiled call per block of single-tensor math."""
-    step = _blocks_trained_like_eager(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True))
+    """foreach (torch's default on CUDA) SGD that says `fused=False` (else torch's fused step runs it): the whole
+    step is one graph of multi-tensor ops, as torch.compile(optimizer.step) makes it, not one compiled call per
+    block of single-tensor math."""
+    step = _blocks_trained_like_eager(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True, fused=False))
     opt_report = step.report().to_dict()["optimizer"]
     assert opt_report["compiled"] and not opt_report["per_block"], opt_report
     assert "param group 0 has foreach=True" in opt_report["whole_step_reason"], opt_report
@@ -110,6 +111,60 @@ def test_a_foreach_adam_steps_as_torchs_fused_kernel_and_keeps_the_users_flags(o
     assert all(float(s["step"]) == 4.0 for s in saved["state"].values())
 
 
+def test_a_foreach_sgd_steps_as_torchs_fused_kernel_and_keeps_the_users_flags():
+    """foreach SGD with momentum (torch's default on CUDA): compiled whole, it compiled twice (update 1 creates the
+    momentum buffers); torch's fused SGD does the same update with nothing to compile, and the user's flags stay."""
+    seen = []
+
+    def make_opt(ps):
+        opt = torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3, foreach=True)
+        opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(o.param_groups[0]["fused"]))
+        return opt
+
+    step = _blocks_trained_like_eager(make_opt)
+    opt_report = step.report().to_dict()["optimizer"]
+    assert not opt_report["compiled"] and opt_report["graphs"] == 0, opt_report
+    assert "param group 0 has foreach=True" in opt_report["as_is"] and "fused=True" in opt_report["as_is"]
+    assert seen == [True] * 4 + [None] * 4, seen  # ours, then the eager reference's own foreach steps
+    group = step.optimizer.param_groups[0]
+    assert group["foreach"] is True and not group["fused"], group
+
+
+def test_a_foreach_sgd_group_with_a_sparse_gradient_takes_torchs_foreach_step():
+    """torch's fused SGD refuses sparse gradients (an `nn.Embedding(sparse=True)`, which ddp='split' reduces):
+    that group takes the user's own foreach step, like eager."""
+
+    class Bag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 4, sparse=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, idx):
+            return self.head(self.emb(idx))
+
+    seen = []
+
+    def setup():
+        torch.manual_seed(0)
+        model = DDP(Bag())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+        opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(o.param_groups[0]["fused"]))
+        return model, opt
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 16, (4, 3), generator=g), torch.randn(4, 3, 2, generator=g)) for _ in range(3)]
+    model, opt = setup()
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND, ddp="split")
+    for x, y in data:
+        step(x, y)
+    assert model.module.emb.weight.grad is None  # zero_grad after the update; the gradients were sparse
+    ref_model, ref_opt = setup()
+    eager_ddp_run(ref_model, ref_opt, None, data)
+    assert_params_close(model, ref_model)
+    assert seen[:3] == [None] * 3, seen  # the user's flags while it stepped: torch's foreach step
+
+
 def test_a_foreach_adamw_with_fused_false_stays_compiled():
     """`fused=False` said outright (torch's default is None) is the user's choice: the step is compiled whole."""
     step = _blocks_trained_like_eager(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True, fused=False))
@@ -128,7 +183,8 @@ def test_a_foreach_adamw_over_a_strided_view_parameter_stays_compiled():
     channels_last = nn.Parameter(torch.zeros(2, 3, 4, 4).to(memory_format=torch.channels_last))
     assert fused_instead(torch.optim.AdamW([dense, channels_last], foreach=True)) is not None
     assert fused_instead(torch.optim.AdamW([dense, strided], foreach=True)) is None
-    assert fused_instead(torch.optim.SGD([dense], foreach=True)) is None  # only Adam and AdamW
+    assert fused_instead(torch.optim.SGD([dense], foreach=True)) is not None
+    assert fused_instead(torch.optim.RMSprop([dense], foreach=True)) is None  # only SGD, Adam and AdamW
     assert fused_instead(torch.optim.AdamW([dense], foreach=False)) is None  # the per-parameter loop
 
 
