@@ -36,6 +36,8 @@ TESTS=(
     tests/multi_gpu/test_in_backward_multirank.py
     tests/multi_gpu/test_in_graph_field_multirank.py
     tests/multi_gpu/test_in_backward_field_multirank.py
+    tests/multi_gpu/test_in_backward_inductor_field_multirank.py
+    tests/multi_gpu/test_train_step_fused_multirank.py
     tests/multi_gpu/test_transformers_in_graph_multirank.py
     tests/multi_gpu/test_train_step_multirank.py
     tests/multi_gpu/test_ddp_options_multirank.py

@@ -204,9 +204,9 @@ class OptimizerInBackward:
         return sorted(self._fused)
 
     def update_graph_groups(self) -> list[dict[str, Any]]:
-        """The (param group, dtype, device) whose parameters take the per-parameter update graph (captured for
-        them: the kernel cannot take them, or their group's values moved), with how many parameters each: the
-        part of the update that costs compile time."""
+        """The (param group, dtype, device) whose update graph was captured (a parameter there the kernel cannot
+        take, or the group's values moved), with how many parameters of that dtype and device the group holds:
+        the part of the update that costs compile time."""
         out = []
         for index, dtype, device in sorted(self._templates, key=lambda k: (k[0], str(k[1]), str(k[2]))):
             group = self.optimizer.param_groups[index]
