@@ -133,27 +133,18 @@ def test_a_foreach_sgd_steps_as_torchs_fused_kernel_and_keeps_the_users_flags():
 def test_a_foreach_sgd_group_with_a_sparse_gradient_takes_torchs_foreach_step():
     """torch's fused SGD refuses sparse gradients (an `nn.Embedding(sparse=True)`, which ddp='split' reduces):
     that group takes the user's own foreach step, like eager."""
-
-    class Bag(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(16, 4, sparse=True)
-            self.head = nn.Linear(4, 2)
-
-        def forward(self, idx):
-            return self.head(self.emb(idx))
+    from tests.multi_gpu.field_models import SparseBag, index_data
 
     seen = []
 
     def setup():
         torch.manual_seed(0)
-        model = DDP(Bag())
+        model = DDP(SparseBag())
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
         opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(o.param_groups[0]["fused"]))
         return model, opt
 
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, 16, (4, 3), generator=g), torch.randn(4, 3, 2, generator=g)) for _ in range(3)]
+    data = [(x, y) for (x,), y in index_data(0, 3, torch.device("cpu"))]
     model, opt = setup()
     step = train_step(model, opt, F.mse_loss, backend=BACKEND, ddp="split")
     for x, y in data:
