@@ -11,7 +11,7 @@ internals, are in `aot/torch_dynamo.py`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -96,14 +96,18 @@ def graph_fake_mode(graph: fx.Graph) -> Any:
     return detect_fake_mode(vals)
 
 
-def with_extra_inputs(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
-    """A copy of Dynamo's graph module `gm` with extra placeholders `names` after its own inputs.
+def with_extra_inputs(gm: fx.GraphModule, names: list[str], *, fixed_address: Sequence[int] = ()) -> fx.GraphModule:
+    """A copy of Dynamo's graph module `gm` with extra placeholders `names` after its own inputs; those at
+    positions `fixed_address` (in `names`) are static inputs for CUDA graphs, as Dynamo's parameters are.
 
     Dynamo keeps using its graph after the backend returns (it reads `meta["grapharg"]` of every
     placeholder, `_dynamo/output_graph.py`), so the original is left untouched. AOTAutograd
     recognises a Dynamo graph by `meta["dynamo_compile_id"]` and `_param_name_to_source`, and wants
     `_dynamo_source` on every placeholder (`_functorch/_aot_autograd/frontend_utils.py`); ours have
-    none (None), as the inputs DDPOptimizer creates.
+    none (None), as the inputs DDPOptimizer creates. The same function lists as static (its
+    `static_input_indices`, which Inductor's CUDA graphs read) the placeholders whose
+    `meta["tensor_dict"]` carries a `_dynamo_static_input_type`, as Dynamo records it for a parameter or
+    a tensor given to `torch._dynamo.mark_static_address`.
     """
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
@@ -112,10 +116,14 @@ def with_extra_inputs(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
         if old.op == "placeholder":
             new._dynamo_source = getattr(old, "_dynamo_source", None)
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    for name in names:
+    fixed = set(fixed_address)
+    for k, name in enumerate(names):
         with graph.inserting_after(last):
             last = graph.placeholder(name)
         last._dynamo_source = None
+        if k in fixed:
+            # "unguarded": no guard on the address; CUDA graphs record again if it moves (a loaded checkpoint)
+            last.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
     graph.output(output)
     copy = fx.GraphModule(gm, graph)
     copy.meta.update(gm.meta)

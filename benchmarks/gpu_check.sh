@@ -17,6 +17,9 @@
 #                     ranks on CUDA tensors (tests/multi_gpu/test_sync_batchnorm_multirank.py; CPU CI skips it)
 #   regions_probe     plain torch.compile of a GPT whose blocks are nested compile regions, on the GPU, with
 #                     Inductor's buffer reuse on and off, against eager's gradients (tests/single/regions_probe.py)
+#   cudagraphs_probe  each train-step mode under mode="reduce-overhead" against eager DDP, one child process per
+#                     mode (a crash names its mode): split, in_graph, and in-backward updates with the train step's
+#                     refusal of them under CUDA graphs lifted for the probe (tests/multi_gpu/cudagraph_probe.py)
 #   bench_default     the benchmark's single-process part: world size 1 (nccl), comm workload, every compiled
 #                     mode, Inductor default mode
 #   bench_cudagraphs  the same with --compile-mode reduce-overhead (CUDA graphs) for every mode
@@ -101,6 +104,7 @@ grep -h -E '^(==|   )' $LOGS/diag_*.txt"
             -p no:cacheprovider --timeout 400 tests/multi_gpu/test_sync_batchnorm_multirank.py
         ;;
     regions_probe) part regions_probe 240 "$PY" -m tests.single.regions_probe cuda ;;
+    cudagraphs_probe) part cudagraphs_probe "${PROBE_LIMIT_S:-420}" "$PY" -m tests.multi_gpu.cudagraph_probe --parallel 4 --timeout 300 ;;
     bench_default) bench bench_default "$BENCH_MODES" ;;
     bench_cudagraphs) bench bench_cudagraphs "${CUDAGRAPH_MODES:-$BENCH_MODES}" --compile-mode reduce-overhead ;;
     *) echo "unknown part $name" | tee -a "$OUT/summary.txt" ;;
@@ -109,7 +113,7 @@ done
 [[ -n ${GPU_CHECK_CHILD:-} ]] && exit 0 # a background part: the parent packs the logs
 wait
 tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz --exclude summary.txt . 2>/dev/null
-for log in "$LOGS"/families_diag.log "$LOGS"/regions_probe.log "$LOGS"/sync_bn.log "$LOGS"/in_graph_cuda.log; do # details, up front
+for log in "$LOGS"/cudagraphs_probe.log "$LOGS"/families_diag.log "$LOGS"/regions_probe.log "$LOGS"/sync_bn.log "$LOGS"/in_graph_cuda.log; do # details, up front
     [[ -f $log ]] && { echo "--- ${log##*/}"; grep -v -i warn "$log" | tail -n 40 | cut -c1-400; }
 done
 rm -rf "$LOGS" "$OUT"/bench_*

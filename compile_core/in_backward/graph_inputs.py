@@ -63,7 +63,9 @@ class UpdatesHook:
         for i, template in templates.items():
             param = params[i]
             roles = [
-                inputs.add(torch.zeros_like(t), lambda p=param, key=key: provider.state_tensor(p, key))
+                inputs.add(
+                    torch.zeros_like(t), lambda p=param, key=key: provider.state_tensor(p, key), fixed_address=True
+                )
                 for key, t in zip(template.state_keys, provider.states(param, template))
             ]
             key, table, rows[i] = provider.scalar_table(param)
@@ -73,7 +75,7 @@ class UpdatesHook:
             role_inputs[i] = tuple(roles)
         norm_input = None
         if provider.clip_max_norm is not None and provider.norm is not None:
-            norm_input = inputs.add(torch.zeros_like(provider.norm), lambda: provider.norm)
+            norm_input = inputs.add(torch.zeros_like(provider.norm), lambda: provider.norm, fixed_address=True)
         spec = UpdateSpec(
             templates=templates,
             role_inputs=role_inputs,

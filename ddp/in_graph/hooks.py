@@ -43,13 +43,21 @@ class GraphInputs:
     def __init__(self, examples: Sequence[Any]) -> None:
         self.examples: list[Any] = list(examples)
         self.producers: list[Callable[[], torch.Tensor]] = []
+        self.fixed_address: list[bool] = []
+        """Per added input, in `producers` order: whether its producer hands over the same tensor at every run."""
         self._fake_mode = traced_fake_mode(self.examples)
 
-    def add(self, example: torch.Tensor, make: Callable[[], torch.Tensor]) -> int:
+    def add(self, example: torch.Tensor, make: Callable[[], torch.Tensor], *, fixed_address: bool = False) -> int:
         """Append one input (`example` to compile with, `make` for every run); returns its index. The
-        example is compiled with static shapes (`aot.torch_dynamo.static_example`: a graph may index it)."""
+        example is compiled with static shapes (`aot.torch_dynamo.static_example`: a graph may index it).
+
+        `fixed_address`: `make` returns the same long-lived tensor at every run, which the graph may write in
+        place (optimizer state). CUDA graphs then read and write it where it lives, as they do a parameter;
+        an ordinary input is copied into the captured graph's own buffer at every replay, and an in-place
+        write to that copy would never reach the tensor."""
         self.examples.append(static_example(self._fake_mode, example))
         self.producers.append(make)
+        self.fixed_address.append(fixed_address)
         return len(self.examples) - 1
 
 

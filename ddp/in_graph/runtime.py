@@ -309,7 +309,9 @@ class InGraphReducer:
         hook = self._hook_for(name, gm, graph_inputs, plan) if hooked(variant) else HookedGraph(None)
         extras = graph_inputs.producers  # run-time producers of the extra inputs, in order
         if extras:
-            gm = with_extra_inputs(gm, [f"ddp_compile_input_{k}" for k in range(len(extras))])
+            names = [f"ddp_compile_input_{k}" for k in range(len(extras))]
+            fixed = [k for k, fixed in enumerate(graph_inputs.fixed_address) if fixed]
+            gm = with_extra_inputs(gm, names, fixed_address=fixed)
         partitioner = InGraphPartitioner(
             plan,
             group_name=self.group_name,

@@ -171,6 +171,32 @@ def test_extra_inputs_leave_dynamos_graph_alone():
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_an_extra_input_at_a_fixed_address_is_static_for_cuda_graphs():
+    # AOTAutograd hands Inductor the static inputs (`fw_metadata.static_input_indices`, read by its CUDA graphs):
+    # the parameters, and an extra input marked as a fixed address; the batch and an unmarked extra input not.
+    with canary("aot/torch_graphs.py:with_extra_inputs(fixed_address)"):
+        seen = {}
+
+        def fw_compiler(gm, example_inputs):
+            static = torch._guards.TracingContext.try_get().fw_metadata.static_input_indices
+            names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            seen["static"] = {names[i] for i in static}
+            seen["count"] = len(names)
+            return gm.forward
+
+        def backend(gm, example_inputs):
+            extended = torch_graphs.with_extra_inputs(gm, ["state", "table"], fixed_address=[0])
+            compiled = torch_dynamo.aot_autograd_backend(fw_compiler=fw_compiler)(
+                extended, [*example_inputs, torch.zeros(3), torch.zeros(2)]
+            )
+            return lambda *args: compiled(*args, torch.zeros(3), torch.zeros(2))
+
+        torch.compile(nn.Linear(3, 3), backend=backend)(torch.randn(2, 3))
+        assert seen["count"] == 5 and len(seen["static"]) == 3, seen  # weight, bias, state
+        assert "primals_4" in seen["static"] and "primals_5" not in seen["static"], seen  # state, table
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_the_compiled_functions_autograd_node_and_its_parameter_edges():
     with canary("aot/torch_graphs.py:compiled_backward_node/param_edges"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
