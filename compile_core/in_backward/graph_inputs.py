@@ -2,7 +2,8 @@
 
 For each graph the reducer compiles in an update variant, `for_graph` (ddp/in_graph/hooks.py:
 `BackwardHook`) adds the graph's extra inputs, each with an example for the compile and a producer
-called at every run: per updated parameter its optimizer state tensors, per param group and device one
+called at every run: the optimizer state tensors of the updated parameters (one producer for them all; static
+inputs for CUDA graphs, as the norm below, since the backward writes them in place), per param group and device one
 table of scalars, a row per parameter (compile_core/in_backward/optimizer.py), and with clipping the 0-dim
 tensor that receives the total norm. It returns the `SplicedUpdates` (compile_core/in_backward/splice.py)
 the graph pass places.
@@ -57,17 +58,17 @@ class UpdatesHook:
         skipped = tuple(graph.names.get(id(params[i]), "?") for i in indices if i not in templates)
         if not templates:
             return HookedGraph(None, skipped=skipped, reason="no parameter of this graph has an update yet")
-        tables: dict[Any, int] = {}  # one input per scalar table (group, device), shared by its parameters
+        # Every state tensor in one producer (one call per run), then one input per scalar table (group,
+        # device), shared by its parameters.
+        wanted = [(params[i], key) for i, template in templates.items() for key in template.state_keys]
+        examples = [torch.zeros_like(t) for t in provider.state_tensors(wanted)]
+        state_inputs = iter(inputs.add_many(examples, lambda: provider.state_tensors(wanted), fixed_address=True))
+        tables: dict[Any, int] = {}
         role_inputs: dict[int, tuple[int, ...]] = {}
         rows: dict[int, int] = {}
         for i, template in templates.items():
             param = params[i]
-            roles = [
-                inputs.add(
-                    torch.zeros_like(t), lambda p=param, key=key: provider.state_tensor(p, key), fixed_address=True
-                )
-                for key, t in zip(template.state_keys, provider.states(param, template))
-            ]
+            roles = [next(state_inputs) for _ in template.state_keys]
             key, table, rows[i] = provider.scalar_table(param)
             if key not in tables:
                 tables[key] = inputs.add(table.detach().clone(), lambda p=param: provider.scalar_table(p)[1])

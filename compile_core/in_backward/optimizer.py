@@ -9,7 +9,7 @@ table of scalars (compile_core/step/optim_math.py); after a backward that update
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -255,11 +255,11 @@ class OptimizerInBackward:
             state = self.optimizer.state[param]
         return [state[k] for k in template.state_keys]
 
-    def state_tensor(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
-        """One live state tensor of `param` (as `states`, for the producer of one graph input: a few hundred
-        calls per update, each a dict lookup)."""
-        state = self._state_of.get(id(param))
-        return (state if state is not None else self.optimizer.state[param])[key]
+    def state_tensors(self, wanted: Sequence[tuple[torch.nn.Parameter, str]]) -> list[torch.Tensor]:
+        """The live state tensors named by (parameter, key), in order (as `states`: the producer of a graph's
+        state inputs, called once per run for all of them)."""
+        state_of, state = self._state_of, self.optimizer.state
+        return [(s if (s := state_of.get(id(p))) is not None else state[p])[key] for p, key in wanted]
 
     def scalar_table(self, param: torch.nn.Parameter) -> tuple[Any, torch.Tensor, int]:
         """(key, table, row): this update's scalar table of the parameter's group and device, and the

@@ -29,6 +29,7 @@ Complex parameters are not covered (`covers()` says so: they keep torch's own `o
 
 from __future__ import annotations
 
+from array import array
 from typing import Sequence
 
 import torch
@@ -170,16 +171,27 @@ def scalars(
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         first = (1 - lr * wd) if decoupled(optimizer, group) else wd
-        by_step = {
-            s: [first, 1 - beta1, beta2, 1 - beta2, (1 - beta2**s) ** 0.5, -(lr / (1 - beta1**s)), eps, lr, s]
-            for s in set(steps)  # parameters usually share their step count: one row computed per distinct count
-        }
-        rows = [by_step[s] for s in steps]
+        distinct = sorted(set(steps))  # parameters usually share their step count: a row per distinct count
+        rows = [
+            [first, 1 - beta1, beta2, 1 - beta2, (1 - beta2**s) ** 0.5, -(lr / (1 - beta1**s)), eps, lr, s]
+            for s in distinct
+        ]
     else:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         momentum, dampening = float(group["momentum"]), float(group["dampening"])
-        rows = [[wd, momentum, 1 - dampening, -lr, lr] for _ in steps]
-    host = torch.tensor(rows, dtype=torch.float32)
+        distinct, rows = [0.0], [[wd, momentum, 1 - dampening, -lr, lr]]
+    # One flat buffer of float32, read as a tensor without a copy: the table from Python rows (a list per
+    # parameter) converted each number on its own, 0.14 ms an update for 150 parameters against 0.04, and a
+    # tensor op would be a kernel of its own on the CPU.
+    if not steps:
+        host = torch.tensor([], dtype=torch.float32)
+    else:
+        if len(rows) == 1:
+            flat = rows[0] * len(steps)
+        else:
+            row_of = dict(zip(distinct, rows))
+            flat = [x for s in steps for x in row_of[s]]
+        host = torch.frombuffer(array("f", flat), dtype=torch.float32).view(len(steps), -1)
     if device is None or torch.device(device).type == "cpu":
         return host
     if torch.device(device).type == "cuda":

@@ -42,9 +42,9 @@ class GraphInputs:
 
     def __init__(self, examples: Sequence[Any]) -> None:
         self.examples: list[Any] = list(examples)
-        self.producers: list[Callable[[], torch.Tensor]] = []
         self.fixed_address: list[bool] = []
-        """Per added input, in `producers` order: whether its producer hands over the same tensor at every run."""
+        """Per added input, in order: whether its producer hands over the same tensor at every run."""
+        self._producers: list[tuple[Callable[[], Any], bool]] = []  # (producer, whether it makes a list)
         self._fake_mode = traced_fake_mode(self.examples)
 
     def add(self, example: torch.Tensor, make: Callable[[], torch.Tensor], *, fixed_address: bool = False) -> int:
@@ -55,10 +55,41 @@ class GraphInputs:
         place (optimizer state). CUDA graphs then read and write it where it lives, as they do a parameter;
         an ordinary input is copied into the captured graph's own buffer at every replay, and an in-place
         write to that copy would never reach the tensor."""
+        self._producers.append((make, False))
+        return self._append(example, fixed_address)
+
+    def add_many(
+        self,
+        examples: Sequence[torch.Tensor],
+        make: Callable[[], Sequence[torch.Tensor]],
+        *,
+        fixed_address: bool = False,
+    ) -> list[int]:
+        """Append several inputs made by one call of `make` at every run (a list, in `examples`' order), as
+        `add` does one: one Python call per run for all of them, not one each (hundreds of optimizer state
+        tensors, each a call before every forward)."""
+        self._producers.append((make, True))
+        return [self._append(example, fixed_address) for example in examples]
+
+    def _append(self, example: torch.Tensor, fixed_address: bool) -> int:
         self.examples.append(static_example(self._fake_mode, example))
-        self.producers.append(make)
         self.fixed_address.append(fixed_address)
         return len(self.examples) - 1
+
+    @property
+    def added(self) -> int:
+        """How many inputs were added."""
+        return len(self.fixed_address)
+
+    def produce(self) -> list[torch.Tensor]:
+        """The added inputs for one run, in order."""
+        out: list[torch.Tensor] = []
+        for make, many in self._producers:
+            if many:
+                out.extend(make())
+            else:
+                out.append(make())
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -307,9 +307,9 @@ class InGraphReducer:
                     torch.zeros_like(inputs[i]), lambda p=inputs[i]: self._take_accumulated(p)
                 )
         hook = self._hook_for(name, gm, graph_inputs, plan) if hooked(variant) else HookedGraph(None)
-        extras = graph_inputs.producers  # run-time producers of the extra inputs, in order
-        if extras:
-            names = [f"ddp_compile_input_{k}" for k in range(len(extras))]
+        produce = graph_inputs.produce if graph_inputs.added else None  # the extra inputs of each run
+        if produce is not None:
+            names = [f"ddp_compile_input_{k}" for k in range(graph_inputs.added)]
             fixed = [k for k, fixed in enumerate(graph_inputs.fixed_address) if fixed]
             gm = with_extra_inputs(gm, names, fixed_address=fixed)
         partitioner = InGraphPartitioner(
@@ -336,8 +336,8 @@ class InGraphReducer:
         consumed = frozenset(id(inputs[i]) for i in hook.consumed)
 
         def run(*args: Any) -> Any:
-            if extras:
-                args = (*args, *(make() for make in extras))
+            if produce is not None:
+                args = (*args, *produce())
             out = compiled(*args)
             self._runs.append((entry, covered, consumed, out))
             return out
