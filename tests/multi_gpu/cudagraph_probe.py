@@ -35,7 +35,11 @@ MODES = {
     "in_graph": {"ddp": "in_graph"},
     "in_backward": {"ddp": "in_graph", "optimizer_in_backward": True},
     "in_backward_clip": {"ddp": "in_graph", "optimizer_in_backward": True, "clip_grad_norm": 1.0},
+    "in_graph_accum": {"ddp": "in_graph", "accum_steps": 2},
+    "in_backward_accum": {"ddp": "in_graph", "optimizer_in_backward": True, "accum_steps": 2},
 }
+"""train_step options per mode (each also gets backend="inductor", mode="reduce-overhead"); eager DDP clips and
+accumulates as the mode does."""
 
 
 class _SkipReasons(logging.Handler):
@@ -89,8 +93,13 @@ def _child(mode: str, device: str, steps: int) -> None:
     ]
     ref_model, ref_ddp, ref_opt = build()
     initial = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
-    for x, y in batches:
-        lm_loss(ref_ddp(x), y).backward()
+    accum, clip = MODES[mode].get("accum_steps", 1), MODES[mode].get("clip_grad_norm")
+    for i, (x, y) in enumerate(batches):
+        (lm_loss(ref_ddp(x), y) / accum).backward()  # world size 1: syncing every micro-batch changes nothing
+        if (i + 1) % accum:
+            continue
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref_ddp.parameters(), clip)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
 
@@ -131,13 +140,15 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modes", nargs="*", default=list(MODES), help=f"of {', '.join(MODES)}")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="micro-batches (an even number: 2 per update with _accum)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per mode")
     parser.add_argument("--parallel", type=int, default=1, help="modes run at once (their step times then overlap)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: at least 1")
+    if args.steps % 2:
+        parser.error(f"--steps {args.steps}: an even number (the _accum modes update every 2 micro-batches)")
     if args.steps < 4:
         parser.error(f"--steps {args.steps}: at least 4 (the median is of the steps after the first 3)")
     unknown = [m for m in [*args.modes, *([args.child] if args.child else [])] if m not in MODES]

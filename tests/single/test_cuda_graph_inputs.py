@@ -30,7 +30,7 @@ BATCH, TABLE = (5, 8), (4, 9)  # the input batch; AdamW's scalar table: a row pe
 
 
 def _graphs_inductor_sees(monkeypatch, **step_options) -> list[dict]:
-    """Train 3 steps of a 2-layer MLP (parameter shapes (16, 8), (16,), (4, 16), (4,)) and record, for each
+    """Train 4 micro-batches of a 2-layer MLP (parameter shapes (16, 8), (16,), (4, 16), (4,)) and record, for each
     graph Inductor compiles: forward or backward, its input shapes, static inputs, mutated inputs and the
     first node CUDA graphs cannot capture."""
     seen: list[dict] = []
@@ -58,7 +58,7 @@ def _graphs_inductor_sees(monkeypatch, **step_options) -> list[dict]:
     options = {"ddp": "in_graph", **step_options}
     step = compile_core.train_step(model, opt, F.mse_loss, backend="inductor", **options)
     with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph would not be compiled again
-        for _ in range(3):
+        for _ in range(4):
             step(torch.randn(*BATCH), torch.randn(5, 4))
     assert any(g["backward"] for g in seen) and any(not g["backward"] for g in seen), seen
     return seen
@@ -70,24 +70,33 @@ def _assert_capturable(graphs: list[dict]) -> None:
         assert g["mutated"] <= g["static"], f"mutates inputs CUDA graphs would copy: {g['mutated'] - g['static']}"
 
 
-@pytest.mark.parametrize("clip", [None, 1.0], ids=["no_clip", "clip"])
-def test_in_backward_optimizer_state_is_a_static_input_of_the_forward(monkeypatch, clip):
-    graphs = _graphs_inductor_sees(monkeypatch, optimizer_in_backward=True, clip_grad_norm=clip)
+@pytest.mark.parametrize(
+    "options", [{}, {"clip_grad_norm": 1.0}, {"accum_steps": 2}], ids=["plain", "clip", "accumulation"]
+)
+def test_in_backward_optimizer_state_is_a_static_input_of_the_forward(monkeypatch, options):
+    graphs = _graphs_inductor_sees(monkeypatch, optimizer_in_backward=True, **options)
     forward = [g for g in graphs if not g["backward"]][-1]
     state = {(16, 8), (16,), (4, 16), (4,)}  # the parameters' shapes: theirs and their exp_avg/exp_avg_sq
+    accumulated = sorted(state) if options.get("accum_steps") else []  # the gradient of micro-batch 1, per parameter
     counts = [forward["shapes"].count(s) for s in sorted(state)]
-    assert counts == [3, 3, 3, 3], forward["shapes"]  # each parameter and its 2 state tensors enter the forward
+    # each parameter and its 2 state tensors enter the forward (and its accumulated gradient)
+    assert counts == [3 + bool(accumulated)] * 4, forward["shapes"]
     copied = sorted(forward["shapes"][i] for i in range(len(forward["shapes"])) if i not in forward["static"])
-    # Copied at every replay: the batch and this update's scalar table (new each update), and with clipping
-    # nothing more: the 0-dim tensor receiving the total norm is written by the backward, so it is static.
-    assert copied == sorted([BATCH, TABLE]), forward["shapes"]
+    # Copied at every replay: the batch, this update's scalar table (new each update) and the gradients carried
+    # from micro-batch 1; with clipping nothing more: the 0-dim tensor receiving the total norm is written by
+    # the backward, so it is static.
+    assert copied == sorted([BATCH, TABLE, *accumulated]), forward["shapes"]
     _assert_capturable(graphs)
 
 
-@pytest.mark.parametrize("ddp", ["in_graph", "split"])
-def test_train_step_graphs_are_capturable(monkeypatch, ddp):
-    graphs = _graphs_inductor_sees(monkeypatch, ddp=ddp)
-    if ddp == "in_graph":  # one graph: only the batch is copied at each replay
+@pytest.mark.parametrize(
+    "options",
+    [{"ddp": "in_graph"}, {"ddp": "split"}, {"ddp": "in_graph", "accum_steps": 2}],
+    ids=["in_graph", "split", "in_graph_accum"],
+)
+def test_train_step_graphs_are_capturable(monkeypatch, options):
+    graphs = _graphs_inductor_sees(monkeypatch, **options)
+    if options == {"ddp": "in_graph"}:  # one graph: only the batch is copied at each replay
         forward = [g for g in graphs if not g["backward"]][-1]
         assert [forward["shapes"][i] for i in range(len(forward["shapes"])) if i not in forward["static"]] == [BATCH]
     _assert_capturable(graphs)
