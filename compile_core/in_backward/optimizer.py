@@ -245,19 +245,10 @@ class OptimizerInBackward:
             kernel = self._fused[index] = _fused_kernel_of(self.optimizer, group, _kernel_values(self.optimizer, group))
         return kernel
 
-    def states(self, param: torch.nn.Parameter, template: UpdateTemplate | FusedKernel) -> list[torch.Tensor]:
-        """The live state tensors of one parameter (looked up at every call, in the state mapping as the last
-        `refresh` found it: `load_state_dict` replaces them)."""
-        if not template.state_keys:
-            return []  # (and no empty entry in the optimizer's state, which indexing would create)
-        state = self._state_of.get(id(param))
-        if state is None:  # not seen by the last `refresh` (a compile before it)
-            state = self.optimizer.state[param]
-        return [state[k] for k in template.state_keys]
-
     def state_tensors(self, wanted: Sequence[tuple[torch.nn.Parameter, str]]) -> list[torch.Tensor]:
-        """The live state tensors named by (parameter, key), in order (as `states`: the producer of a graph's
-        state inputs, called once per run for all of them)."""
+        """The live state tensors named by (parameter, key), in order: looked up at every call (the producer of a
+        graph's state inputs, once per run for all of them), in the state mapping as the last `refresh` found it
+        (`load_state_dict` replaces them), else, for a parameter that refresh did not see, in the optimizer's."""
         state_of, state = self._state_of, self.optimizer.state
         return [(s if (s := state_of.get(id(p))) is not None else state[p])[key] for p, key in wanted]
 

@@ -310,8 +310,8 @@ class InGraphReducer:
         produce = graph_inputs.produce if graph_inputs.added else None  # the extra inputs of each run
         if produce is not None:
             names = [f"ddp_compile_input_{k}" for k in range(graph_inputs.added)]
-            fixed = [k for k, fixed in enumerate(graph_inputs.fixed_address) if fixed]
-            gm = with_extra_inputs(gm, names, fixed_address=fixed)
+            pinned = [k for k, fixed in enumerate(graph_inputs.fixed_address) if fixed]
+            gm = with_extra_inputs(gm, names, fixed_address=pinned)
         partitioner = InGraphPartitioner(
             plan,
             group_name=self.group_name,

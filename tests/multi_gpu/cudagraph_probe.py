@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 NOISE = 1e-4
@@ -157,32 +158,37 @@ def main(argv: list[str]) -> int:
     if args.child:
         _child(args.child, args.device, args.steps)
         return 0
+    # Each child writes to a file of its own: a pipe read only at the end would fill up with a child's
+    # compile warnings and stop it, while this loop waits for it to finish.
+    logs = tempfile.TemporaryDirectory()
     children = []
     for mode in args.modes:  # every child at once with --parallel (their step times then share the device)
         cmd = [sys.executable, "-m", "tests.multi_gpu.cudagraph_probe", "--child", mode]
         cmd += ["--device", args.device, "--steps", str(args.steps)]
         while sum(c[1].poll() is None for c in children) >= args.parallel:
             time.sleep(0.5)
-        children.append((mode, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        log = open(os.path.join(logs.name, f"{mode}.log"), "w+")  # noqa: SIM115 (closed below)
+        children.append((mode, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log))
     failed = 0
     deadline = time.monotonic() + args.timeout * len(children) / args.parallel
-    for mode, child in children:
+    for mode, child, log in children:
         try:
-            output, _ = child.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            child.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
-            output, _ = child.communicate()
-            print(f"== {mode}: no result in time (hung or still compiling); the end of its output:", flush=True)
-            print("\n".join(output.splitlines()[-15:]), flush=True)
-            failed += 1
-            continue
+            child.wait()
+        log.seek(0)
+        output = log.read()
+        log.close()
         lines = [line for line in output.splitlines() if line.startswith("== ")]
         if child.returncode == 0 and lines:
             print(lines[-1], flush=True)
             continue
         failed += 1
-        print(f"== {mode}: exit code {child.returncode}; the end of its output:", flush=True)
+        why = f"exit code {child.returncode}" if child.returncode >= 0 else f"killed by signal {-child.returncode}"
+        print(f"== {mode}: {why} (a timeout kills it); the end of its output:", flush=True)
         print("\n".join(output.splitlines()[-30:]), flush=True)
+    logs.cleanup()
     return 1 if failed else 0
 
 

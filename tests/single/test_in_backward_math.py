@@ -31,7 +31,7 @@ def _apply_template(updates: OptimizerInBackward, param: torch.nn.Parameter, gra
     template = updates.template_for(param)
     assert template is not None
     _, table, row = updates.scalar_table(param)
-    roles = [param.data, grad] + updates.states(param, template) + [table[row]]
+    roles = [param.data, grad] + updates.state_tensors([(param, k) for k in template.state_keys]) + [table[row]]
     inputs: list = [None] * len(template.positions)
     for role, position in zip(roles, template.positions):
         if position is not None:
