@@ -353,6 +353,11 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
                 for g in gaps[:3]
             )
             print(f"  {p}/{mode}: {cells or '-'}")
+    print("\nwhere the scalar reads are made (last profiled step: outermost > innermost host range, reads):")
+    for p, result in zip(precisions, results):
+        for mode, row in result["modes"].items():
+            reads = (row.get("kernels") or {}).get("scalar_read_where") or []
+            print(f"  {p}/{mode}: {'; '.join(f'{where} x{count}' for where, count in reads) or '-'}")
     for p, result in zip(precisions, results):
         for mode, row in result["modes"].items():
             found = row.get("startup_profile_warm")

@@ -38,7 +38,8 @@ own loop over the tensors (a fused Adam reads each step count with `.item()` the
 `add_` per tensor), which the CUDA kernel does on the device; counted, a mode on torch's fused step showed
 about 1200 host ops and 149 scalar reads per step more than the same mode compiling its update (149 parameters,
 session 45), work its GPU run does not have. `idle_top`
-lists the step's longest stretches without a kernel, with what the host had open when the next one started.
+lists the step's longest stretches without a kernel, with what the host had open when the next one started;
+`scalar_read_where` says where the scalar reads were made (the host ranges open around each: outermost, innermost).
 """
 
 from __future__ import annotations
@@ -200,6 +201,7 @@ def step_kernel_stats(events: Sequence[Event]) -> list[dict[str, Any]]:
         }
         row["host_ops"] = sum(e.name.startswith("aten::") for e in issued)
         row["host_top"] = _top_host_ops(issued)
+        row["scalar_read_where"] = scalar_read_where([e for e in issued if e.name == SCALAR_READ], host)
         if traced_gpu:
             mine = [e for e in kernels_all if lo <= e.start_us < hi]
             copies = [e for e in events if _is_device(e) and _is_copy(e) and lo <= e.start_us < hi]
@@ -273,6 +275,33 @@ def idle_gaps(kernels: Sequence[Event], host: Sequence[Event], start_us: float, 
     return out
 
 
+def scalar_read_where(reads: Sequence[Event], host: Sequence[Event], n: int = 6) -> list[list[Any]]:
+    """Where a step's scalar reads were made: [[outermost > innermost host range open around the read, reads]],
+    the n most frequent. The step's mark, runtime calls and the read's own `aten::item` are left out; the
+    outermost names the phase (a compiled graph's call, the optimizer's step, the autograd engine), the
+    innermost the op that read (a read made by Python code has only its phase). On a GPU each read of a device
+    tensor waits for the stream, so this is where a step's unexpected waits come from."""
+    ignored = (STEP_MARK, "aten::item", SCALAR_READ)
+    where: dict[str, int] = defaultdict(int)
+    for r in reads:
+        opened = sorted(
+            (
+                h
+                for h in host
+                if h is not r
+                and h.thread == r.thread
+                and h.start_us <= r.start_us
+                and r.end_us <= h.end_us
+                and h.name not in ignored
+                and not RUNTIME_CALL.match(h.name)
+            ),
+            key=lambda h: (h.start_us, -h.end_us),
+        )
+        names = [opened[0].name[:60], opened[-1].name[:60]] if opened else ["(the step itself)"]
+        where[" > ".join(dict.fromkeys(names))] += 1
+    return [[k, where[k]] for k in sorted(where, key=lambda k: -where[k])[:n]]
+
+
 def _top_host_ops(host: Sequence[Event], n: int = 12) -> list[list[Any]]:
     """The n host op names called most often in the step ([name, calls]): where two modes that launch the
     same kernels differ in host time, the extra ops name the cause."""
@@ -314,5 +343,7 @@ def summarize_kernels(events: Sequence[Event]) -> dict[str, Any]:
     out["top"] = steps[-1]["top"]
     out["host_top"] = steps[-1]["host_top"]
     out["idle_top"] = steps[-1].get("idle_top") or []
-    out["per_step"] = [{k: v for k, v in s.items() if k not in ("top", "host_top", "idle_top")} for s in steps]
+    out["scalar_read_where"] = steps[-1]["scalar_read_where"]
+    shown_once = ("top", "host_top", "idle_top", "scalar_read_where")
+    out["per_step"] = [{k: v for k, v in s.items() if k not in shown_once} for s in steps]
     return out

@@ -360,3 +360,34 @@ def test_a_tiny_cpu_run_writes_the_json_and_the_block(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_scalar_reads_are_placed_in_the_host_ranges_open_around_them():
+    from benchmarks.kernels import summarize_kernels
+
+    events = [
+        _ev("bench::step", 0, 1000, kind="user_annotation"),
+        # two reads inside a compiled graph's call, under an op that reads (a device wait on a GPU)
+        _ev("## Call CompiledFxGraph f ##", 100, 400, kind="user_annotation"),
+        _ev("aten::nonzero", 150, 250, kind="cpu_op"),
+        _ev("aten::item", 160, 170, kind="cpu_op"),
+        _ev("aten::_local_scalar_dense", 161, 169, kind="cpu_op"),
+        _ev("cudaStreamSynchronize", 162, 168, kind="cuda_runtime"),  # a runtime call: never the place
+        _ev("aten::nonzero", 260, 350, kind="cpu_op"),
+        _ev("aten::_local_scalar_dense", 270, 280, kind="cpu_op"),
+        # one read made by Python code in the optimizer's step: only its phase
+        _ev("Optimizer.step#AdamW.step", 500, 700, kind="user_annotation"),
+        _ev("aten::item", 600, 610, kind="cpu_op"),
+        _ev("aten::_local_scalar_dense", 601, 609, kind="cpu_op"),
+        # one on another thread, whose open ranges are its own
+        _ev("aten::_local_scalar_dense", 300, 310, kind="cpu_op", thread=2),
+        _ev("k", 120, 130, device="cuda", kind="kernel"),
+    ]
+    got = summarize_kernels(events)
+    assert got["scalar_reads"] == 4
+    assert got["scalar_read_where"] == [
+        ["## Call CompiledFxGraph f ## > aten::nonzero", 2],
+        ["Optimizer.step#AdamW.step", 1],
+        ["(the step itself)", 1],
+    ]
+    assert "scalar_read_where" not in got["per_step"][0]
