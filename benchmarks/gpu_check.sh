@@ -20,6 +20,12 @@
 #   cudagraphs_probe  each train-step mode under mode="reduce-overhead" against eager DDP, one child process per
 #                     mode (a crash names its mode): split, in_graph, and in-backward updates with the train step's
 #                     refusal of them under CUDA graphs lifted for the probe (tests/multi_gpu/cudagraph_probe.py)
+#   issue34           issue 34 in one device call (its 15 device minutes hold one call of this size and the
+#                     machine's start, not two): the in-backward modes under CUDA graphs (the probe above, 3 at
+#                     once), then the GPU benchmark (benchmarks/gpu_bench.sh: fp32 and bf16, torch_savvy,
+#                     torch_fused and our train-step modes, warm start-up of the in-backward step, memory at
+#                     the peak) with the time left; its JSON and markdown under $OUT/gpu34. PROBE_ARGS and
+#                     BENCH34_ARGS replace the probe's extra arguments and the benchmark's (a CPU dry run)
 #   bench_default     the benchmark's single-process part: world size 1 (nccl), comm workload, every compiled
 #                     mode, Inductor default mode
 #   bench_cudagraphs  the same with --compile-mode reduce-overhead (CUDA graphs) for every mode
@@ -105,6 +111,14 @@ grep -h -E '^(==|   )' $LOGS/diag_*.txt"
         ;;
     regions_probe) part regions_probe 240 "$PY" -m tests.single.regions_probe cuda ;;
     cudagraphs_probe) part cudagraphs_probe "${PROBE_LIMIT_S:-420}" "$PY" -m tests.multi_gpu.cudagraph_probe --parallel 4 --timeout 300 ;;
+    issue34)
+        part probe_in_backward "${PROBE_LIMIT_S:-240}" "$PY" -m tests.multi_gpu.cudagraph_probe --parallel 3 \
+            --timeout "${PROBE_CHILD_S:-200}" ${PROBE_ARGS:-} in_backward in_backward_clip in_backward_accum
+        left=$((DEADLINE - $(date +%s) - 30))
+        # shellcheck disable=SC2086 # BENCH34_ARGS is a list of arguments
+        part bench34 "$left" env OUT="$OUT/gpu34" BUDGET_S=$((left - 30)) PYTHON="$PY" bash benchmarks/gpu_bench.sh \
+            "${BENCH34_PRECISION:-fp32,bf16}" ${BENCH34_ARGS:---modes torch_savvy,torch_fused,ours_step,ours_step_in_graph,ours_step_in_backward --warm-modes ours_step_in_backward --profile-warm}
+        ;;
     bench_default) bench bench_default "$BENCH_MODES" ;;
     bench_cudagraphs) bench bench_cudagraphs "${CUDAGRAPH_MODES:-$BENCH_MODES}" --compile-mode reduce-overhead ;;
     *) echo "unknown part $name" | tee -a "$OUT/summary.txt" ;;
@@ -113,7 +127,8 @@ done
 [[ -n ${GPU_CHECK_CHILD:-} ]] && exit 0 # a background part: the parent packs the logs
 wait
 tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz --exclude summary.txt . 2>/dev/null
-for log in "$LOGS"/cudagraphs_probe.log "$LOGS"/families_diag.log "$LOGS"/regions_probe.log "$LOGS"/sync_bn.log "$LOGS"/in_graph_cuda.log; do # details, up front
+[[ -f $LOGS/bench34.log ]] && { echo "--- bench34.log"; grep -v -i -E "warn|^- |^<!--" "$LOGS/bench34.log" | tail -n 70 | cut -c1-300; }
+for log in "$LOGS"/probe_in_backward.log "$LOGS"/cudagraphs_probe.log "$LOGS"/families_diag.log "$LOGS"/regions_probe.log "$LOGS"/sync_bn.log "$LOGS"/in_graph_cuda.log; do # details, up front
     [[ -f $log ]] && { echo "--- ${log##*/}"; grep -v -i warn "$log" | tail -n 40 | cut -c1-400; }
 done
 rm -rf "$LOGS" "$OUT"/bench_*
