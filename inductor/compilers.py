@@ -70,18 +70,13 @@ def inductor_compile(
 
     `partitioner` (a callable with a `uuid()`, taking `base=`: the user's own partitioner or None
     for min-cut) replaces the partition step, after Inductor's own joint-graph passes; its
-    `backward_inductor_defaults()`, if it has one, are Inductor options for the backward graph unless the
-    user set them; its `inductor_requirements()` are options both graphs are wrong without: they win, with
-    a WARNING when they overrule the user's.
+    `inductor_requirements()`, if it has them, are options the graph is wrong without: they win, with a
+    WARNING when they overrule the user's.
     """
     patches = settings.config_patches()
     _no_buffer_reuse_for_repeated_regions(gm, patches)
-    backward_patches: dict[str, Any] = {}
     if partitioner is not None:
         patches.update(partitioner_patch(partitioner, partitioner.uuid(), patches))
-        for name, value in getattr(partitioner, "backward_inductor_defaults", dict)().items():
-            if name not in patches:  # the user's own options win
-                backward_patches[name] = value
         for name, value in getattr(partitioner, "inductor_requirements", dict)().items():
             if name in patches and patches[name] != value:
                 log.warning(
@@ -92,9 +87,7 @@ def inductor_compile(
                     value,
                 )
             patches[name] = value
-    return compile_fx_with(
-        gm, example_inputs, on_graph=on_graph, config_patches=patches, backward_config_patches=backward_patches
-    )
+    return compile_fx_with(gm, example_inputs, on_graph=on_graph, config_patches=patches)
 
 
 def _no_buffer_reuse_for_repeated_regions(gm: fx.GraphModule, patches: dict[str, Any]) -> None:

@@ -40,26 +40,18 @@ def compile_fx_with(
     *,
     on_graph: Callable[[fx.GraphModule, bool], None],
     config_patches: Mapping[str, Any] | None,
-    backward_config_patches: Mapping[str, Any] | None = None,
 ) -> Callable[..., Any]:
-    """Inductor's `compile_fx`, calling `on_graph(graph, is_backward)` before each inner compile;
-    `backward_config_patches` apply, on top of `config_patches`, to the backward graph only.
+    """Inductor's `compile_fx`, calling `on_graph(graph, is_backward)` before each inner compile.
 
     Mirrors `compile_fx(..., inner_compile=)` and `compile_fx_inner(..., is_backward=)`
-    (`torch/_inductor/compile_fx.py`): the inner compile reads Inductor's config (codegen options and its FX
-    cache key alike) while it runs, so a patch around it reaches that one graph.
+    (`torch/_inductor/compile_fx.py`).
     """
-    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     remember_isa_probes()
 
     def inner_compile(graph: fx.GraphModule, inputs: list, **kwargs: Any) -> Any:
-        is_backward = bool(kwargs.get("is_backward", False))
-        on_graph(graph, is_backward)
-        if is_backward and backward_config_patches:
-            with inductor_config.patch(dict(backward_config_patches)):
-                return compile_fx_inner(graph, inputs, **kwargs)
+        on_graph(graph, bool(kwargs.get("is_backward", False)))
         return compile_fx_inner(graph, inputs, **kwargs)
 
     return compile_fx(

@@ -20,7 +20,12 @@ Algorithm, on the backward graph AOTAutograd produced (after partitioning):
   3. just before the graph's output: `wait_tensor`, then split the buffer back into gradient views,
      which replace the gradient outputs. With a hook after the all-reduces (ddp/in_graph/hooks.py:
      `AfterReduce`, e.g. the optimizer update of compile_core/in_backward/), the hook places each
-     bucket's wait and what runs after it instead.
+     bucket's wait and what runs after it instead, and each flat buffer ends in a few zeros that give it
+     a size no other tensor of the graph has (`_unmatched_padding`): such a buffer dies inside the
+     graph, and Inductor's buffer reuse hands a dead buffer to the next allocation of exactly its size,
+     so a bucket buffer would stay allocated, unused, until a later bucket of the same size (repeated
+     blocks make many) took it over. With its own size it is freed where it dies, and reuse stays on
+     for everything else (off, every temporary of the backward is an allocation of its own).
 Inductor keeps this order on CPU and GPU without extra passes (checked in its output code: each
 `all_reduce_` follows the kernel that writes its bucket, all `wait_tensor`s come last), and it
 writes the flat buffer directly from the gradient kernels (no extra copy).
@@ -120,7 +125,9 @@ def insert_bucketed_all_reduce(
     outputs = list(output.args[0])
     issued: list[IssuedBucket] = []
     after: list[str] = []
-    for bucket in plan.buckets:
+    sizes = [sum(grads[i][1].meta["val"].numel() for i in b.input_indices if i in grads) for b in plan.buckets]
+    padding = _unmatched_padding(graph, sizes) if after_reduce is not None else [0] * len(sizes)
+    for bucket, pad in zip(plan.buckets, padding):
         present = [i for i in bucket.input_indices if i in grads]
         members = [grads[i] for i in present]
         if not members:
@@ -140,6 +147,11 @@ def insert_bucketed_all_reduce(
             # Each gradient is divided on its way into the flat buffer (the same division per element as
             # dividing the buffer), so the buffer is all-reduced as written.
             cursor = builder.after(cursor, _ops.div.Tensor, [cursor, float(world_size)])
+            flat.append(cursor)
+        if pad:
+            wire = flat[-1].meta["val"]
+            zeros = {"dtype": wire.dtype, "device": wire.device}
+            cursor = builder.after(cursor, _ops.full.default, [[pad], 0.0], zeros)
             flat.append(cursor)
         cursor = builder.after(cursor, _ops.cat.default, [flat])
         cursor = builder.after(cursor, _all_reduce, [cursor, "sum", group_name])
@@ -177,13 +189,33 @@ def _wait_and_split(builder: _Builder, bucket: IssuedBucket) -> Landed:
     wait = done = builder.call(_wait_tensor, [bucket.reduced])
     if done.meta["val"].dtype != bucket.dtype:  # a narrower wire: back to the gradients' dtype
         done = builder.call(_prims.convert_element_type.default, [done, bucket.dtype])
-    parts = builder.call(_ops.split_with_sizes.default, [done, [n.meta["val"].numel() for _, n in bucket.members]])
+    sizes = [n.meta["val"].numel() for _, n in bucket.members]
+    padding = done.meta["val"].numel() - sum(sizes)
+    parts = builder.call(_ops.split_with_sizes.default, [done, sizes + [padding] if padding else sizes])
     views = []
     for k, (position, node) in enumerate(bucket.members):
         part = graph.call_function(operator.getitem, (parts, k))
         part.meta["val"] = parts.meta["val"][k]
         views.append((position, builder.call(_ops.view.default, [part, list(node.meta["val"].shape)])))
     return Landed(wait=wait, views=tuple(views))
+
+
+def _unmatched_padding(graph: fx.Graph, sizes: Sequence[int]) -> list[int]:
+    """Per bucket of `sizes` elements, how many zeros (at least one) to append to its flat buffer so that
+    its size differs from every other bucket's and from every tensor's of `graph` with a static size."""
+    taken = set()
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and isinstance(numel := value.numel(), int):
+            taken.add(numel)
+    padding = []
+    for size in sizes:
+        pad = 1
+        while size + pad in taken:
+            pad += 1
+        taken.add(size + pad)
+        padding.append(pad)
+    return padding
 
 
 def _saved_inputs(forward: fx.GraphModule, backward: fx.GraphModule) -> Callable[[int], fx.Node]:

@@ -83,35 +83,13 @@ def test_mode_and_options_become_config_patches():
 
 
 class _Partitioner:
-    """Stands in for ddp/in_graph's partitioner: a uuid, and Inductor options its backward needs unless set."""
+    """Stands in for ddp/in_graph's partitioner: a uuid."""
 
     def __call__(self, joint, joint_inputs, *, base=None, **kwargs):  # never called: compile is stubbed
         raise AssertionError
 
     def uuid(self) -> str:
         return "test"
-
-    def backward_inductor_defaults(self) -> dict:
-        return {"allow_buffer_reuse": False}
-
-
-@pytest.mark.parametrize(
-    "options, both, backward",
-    [(None, {}, {"allow_buffer_reuse": False}), ({"allow_buffer_reuse": True}, {"allow_buffer_reuse": True}, {})],
-)
-def test_a_partitioners_backward_defaults_reach_the_backward_unless_the_user_set_them(
-    monkeypatch, options, both, backward
-):
-    import inductor.compilers as compilers
-
-    seen = {}
-    monkeypatch.setattr(compilers, "compile_fx_with", lambda gm, inputs, **kw: seen.update(kw))
-    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
-    inductor_compile(gm, [torch.randn(1, 2)], settings=InductorSettings(options=options), partitioner=_Partitioner())
-    patches = seen["config_patches"]
-    assert {k: v for k, v in patches.items() if k == "allow_buffer_reuse"} == both
-    assert "custom_partitioner_fn" in patches
-    assert seen["backward_config_patches"] == backward
 
 
 class _ExchangingPartitioner(_Partitioner):
@@ -130,19 +108,6 @@ def test_a_partitioners_inductor_requirements_overrule_the_users_options_with_a_
         inductor_compile(gm, [torch.randn(1, 2)], settings=settings, partitioner=_ExchangingPartitioner())
     assert seen["allow_buffer_reuse"] is False
     assert any("allow_buffer_reuse=True is overruled" in r.getMessage() for r in caplog.records), caplog.text
-
-
-def test_the_in_graph_update_variant_asks_inductor_not_to_park_dead_buffers():
-    from compile_core.in_backward.splice import SplicedUpdates, UpdateSpec
-    from ddp.bucketing.grad_buckets import GradBucketPlan
-    from ddp.in_graph.partitioner import InGraphPartitioner
-
-    plan = GradBucketPlan(buckets=(), bucket_cap_bytes=1 << 20, first_bucket_cap_bytes=1 << 20)
-    reduce_only = InGraphPartitioner(plan, group_name="0", world_size=2)
-    spec = UpdateSpec(templates={}, role_inputs={}, clip_max_norm=None)
-    updating = InGraphPartitioner(plan, group_name="0", world_size=2, after_reduce=SplicedUpdates(spec))
-    assert reduce_only.backward_inductor_defaults() == {}
-    assert updating.backward_inductor_defaults() == {"allow_buffer_reuse": False}
 
 
 def _region_gpt(layers: int):

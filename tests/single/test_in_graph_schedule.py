@@ -85,8 +85,35 @@ def test_the_buffer_each_all_reduce_sends_is_the_concatenation_of_the_divided_gr
     for issue in issues:
         sent = issue.args[0]
         assert sent.target is torch.ops.aten.cat.default, f"{issue.name} sends {sent.name} ({sent.target})"
-        for part in sent.args[0]:
+        parts = list(sent.args[0])
+        if optimizer_in_backward:  # then a few zeros end the buffer (the next test)
+            pad = parts.pop()
+            assert pad.target is torch.ops.aten.full.default and pad.args[1] == 0.0, pad.format_node()
+        for part in parts:
             assert part.target is torch.ops.aten.div.Tensor and part.args[1] == 1.0, part.format_node()
+
+
+def _sent_numel(issue: torch.fx.Node) -> int:
+    return issue.args[0].meta["val"].numel()
+
+
+def test_with_the_optimizer_in_the_backward_each_bucket_buffer_has_a_size_of_its_own():
+    """A bucket buffer dies inside the backward; one whose size another buffer of the graph shares would be
+    handed to that buffer by Inductor's buffer reuse, and stay allocated, unused, until then. The MLP's four
+    64x64 layers make four buckets of the same 4160 gradient elements."""
+    backward = _backwards(optimizer_in_backward=True)[-1]
+    nodes = list(backward.graph.nodes)
+    issues = [n for n in nodes if _is(n, _c10d.all_reduce.default)]
+    sent = [_sent_numel(n) for n in issues]
+    assert len(set(sent)) == len(sent), sent
+    the_buffers = {i.args[0] for i in issues} | set(issues) | {n for n in nodes if _is(n, _c10d.wait_tensor.default)}
+    others = {v.numel() for n in nodes if n not in the_buffers and isinstance(v := n.meta.get("val"), torch.Tensor)}
+    shared = [size for size in sent if size in others]
+    assert not shared, f"bucket buffer sizes {shared} are also sizes of other tensors of the backward"
+    # the reduce-only backward returns its gradients as views of the buffers: no padding there
+    reduce_only = _backwards(optimizer_in_backward=False)[-1]
+    grads = sum(p.numel() for p in _mlp().parameters())
+    assert sum(_sent_numel(n) for n in reduce_only.graph.nodes if _is(n, _c10d.all_reduce.default)) == grads
 
 
 def test_with_the_optimizer_in_the_backward_each_update_follows_its_own_wait_in_a_pipeline():
@@ -178,3 +205,47 @@ def test_a_hooked_variant_of_a_later_generation_is_a_variant_of_its_own():
     assert variant_for(sync=False, accumulated=False, hooked=True, generation=1) == "local"
     assert hooked("reduce_update@1") and not accumulates("reduce_update@1")
     assert hooked("reduce_acc_update@2") and accumulates("reduce_acc_update@2")
+
+
+def _inductor_in_backward_step(tmp_path, options):
+    """(allocations in the compiled backward's code, the step's tensor peak MB) of an in-backward train step of a
+    small GPT whose blocks make several buckets of the same sizes."""
+    from torch._inductor.utils import run_and_get_code
+
+    from benchmarks.memory_peak import profiled_peak
+    from examples.gpt import GPT, GPTConfig, lm_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = compile_core.train_step(
+        DDP(model, bucket_cap_mb=0.1),
+        opt,
+        lm_loss,
+        backend="inductor",
+        ddp="in_graph",
+        optimizer_in_backward=True,
+        options=options,
+    )
+    g = torch.Generator().manual_seed(1)
+
+    def batch():
+        return torch.randint(0, 512, (2, 32), generator=g), torch.randint(0, 512, (2, 32), generator=g)
+
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cache hit would emit no code
+        _, codes = run_and_get_code(lambda: [step(*batch()) for _ in range(2)])
+    backward = next(code for code in codes if "all_reduce_" in code)
+    peak = profiled_peak(lambda: step(*batch()), device="cpu", held=None, trace_path=tmp_path / "trace.json")
+    return backward[backward.index("def call(") :].count("empty_strided"), peak["step_peak_mb"]
+
+
+@pytest.mark.inductor
+def test_with_the_optimizer_in_the_backward_inductor_reuses_buffers_without_keeping_dead_buckets(tmp_path):
+    """Inductor's buffer reuse stays on in the in-backward backward (off, every temporary is one more
+    allocation per step: a host call of the caching allocator on a GPU), and its peak is the peak without
+    reuse: no dead bucket buffer waits for a later one of its size. Measured when written (torch 2.13, CPU):
+    35 allocations against 115, both peaks 2.914 MB; with the buckets' padding taken out, 3.112 MB."""
+    ours = _inductor_in_backward_step(tmp_path, None)
+    without_reuse = _inductor_in_backward_step(tmp_path, {"allow_buffer_reuse": False})
+    assert ours[0] < without_reuse[0], (ours, without_reuse)
+    assert ours[1] <= without_reuse[1] * 1.01, (ours, without_reuse)

@@ -11,6 +11,8 @@ from inductor import torch_inductor
 @pytest.fixture
 def counted_probe(monkeypatch):
     """Stand in for Inductor's probe: records each library it is asked to load, answers `answer[0]`."""
+    if not hasattr(cpu_vec_isa.VecISA, "_probe_load"):
+        pytest.skip("this torch's Inductor has no VecISA._probe_load (torch 2.11): no load step to remember")
     calls: list[str] = []
     answer = [True]
 
@@ -70,6 +72,6 @@ def test_installing_twice_wraps_once(counted_probe):
 
 def test_a_torch_without_the_load_step_is_left_to_probe_as_it_always_did(monkeypatch):
     """torch 2.11 has no `VecISA._probe_load`: asking for it there failed every Inductor compile."""
-    monkeypatch.delattr(cpu_vec_isa.VecISA, "_probe_load")
+    monkeypatch.delattr(cpu_vec_isa.VecISA, "_probe_load", raising=False)  # torch 2.11 has none to take away
     torch_inductor.remember_isa_probes()
     assert not hasattr(cpu_vec_isa.VecISA, "_probe_load")

@@ -83,38 +83,6 @@ def test_compile_fx_with_sees_forward_and_backward_graphs():
         torch.testing.assert_close(w.grad, (x * w.detach()).cos() * x)
 
 
-# Canary on torch 2.11.0, 2.13.0, 2.14.1.
-@pytest.mark.inductor
-def test_backward_config_patches_reach_the_backward_graph_only():
-    with canary("inductor/torch_inductor.py:compile_fx_with(backward_config_patches=)"):
-        from torch._inductor.utils import run_and_get_code
-
-        torch.manual_seed(0)
-        mlp = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(16, 16), torch.nn.ReLU())])
-
-        def allocations(backward_config_patches):
-            # buffers each graph allocates: with buffer reuse off, a dead buffer is not handed to a later one
-            torch._dynamo.reset()
-
-            def backend(gm, example_inputs):
-                return torch_inductor.compile_fx_with(
-                    gm,
-                    example_inputs,
-                    on_graph=lambda g, is_backward: None,
-                    config_patches=None,
-                    backward_config_patches=backward_config_patches,
-                )
-
-            step = torch.compile(lambda x: mlp(x).square().sum(), backend=backend)
-            with torch._inductor.config.patch(force_disable_caches=True):
-                _, (forward, backward) = run_and_get_code(lambda: step(torch.randn(4, 16)).backward())
-            return [code[code.index("def call(") :].count("empty_strided") for code in (forward, backward)]
-
-        reusing = allocations(None)
-        not_in_backward = allocations({"allow_buffer_reuse": False})
-        assert not_in_backward[0] == reusing[0] and not_in_backward[1] > reusing[1], (reusing, not_in_backward)
-
-
 # -- what ddp="in_graph" asks of inductor/torch_inductor.py: the partitioner, caches, ordering ------
 
 
