@@ -202,7 +202,8 @@ def _wait_and_split(builder: _Builder, bucket: IssuedBucket) -> Landed:
 
 def _unmatched_padding(graph: fx.Graph, sizes: Sequence[int]) -> list[int]:
     """Per bucket of `sizes` elements, how many zeros (at least one) to append to its flat buffer so that
-    its size differs from every other bucket's and from every tensor's of `graph` with a static size."""
+    its size differs from every other bucket's and from every tensor's of `graph` with a static size (none
+    for a bucket of symbolic size, which Dynamo gives a parameter only when told to)."""
     taken = set()
     for node in graph.nodes:
         value = node.meta.get("val")
@@ -210,6 +211,9 @@ def _unmatched_padding(graph: fx.Graph, sizes: Sequence[int]) -> list[int]:
             taken.add(numel)
     padding = []
     for size in sizes:
+        if not isinstance(size, int):
+            padding.append(0)
+            continue
         pad = 1
         while size + pad in taken:
             pad += 1
