@@ -259,10 +259,7 @@ def idle_gaps(kernels: Sequence[Event], host: Sequence[Event], start_us: float, 
     gaps.sort(key=lambda g: -g[0])
     out = []
     for length, at, prev, nxt in gaps[:n]:
-        opened = sorted(
-            (h for h in host if h.start_us <= nxt.start_us <= h.end_us and not RUNTIME_CALL.match(h.name)),
-            key=lambda h: (h.start_us, -h.end_us),
-        )
+        opened = _open_around(host, nxt.start_us, nxt.start_us)
         out.append(
             {
                 "at_ms": round((at - start_us) / 1e3, 3),
@@ -284,22 +281,17 @@ def scalar_read_where(reads: Sequence[Event], host: Sequence[Event], n: int = 6)
     ignored = (STEP_MARK, "aten::item", SCALAR_READ)
     where: dict[str, int] = defaultdict(int)
     for r in reads:
-        opened = sorted(
-            (
-                h
-                for h in host
-                if h is not r
-                and h.thread == r.thread
-                and h.start_us <= r.start_us
-                and r.end_us <= h.end_us
-                and h.name not in ignored
-                and not RUNTIME_CALL.match(h.name)
-            ),
-            key=lambda h: (h.start_us, -h.end_us),
-        )
+        same_thread = (h for h in host if h.thread == r.thread and h.name not in ignored)
+        opened = _open_around(same_thread, r.start_us, r.end_us)
         names = [opened[0].name[:60], opened[-1].name[:60]] if opened else ["(the step itself)"]
         where[" > ".join(dict.fromkeys(names))] += 1
     return [[k, where[k]] for k in sorted(where, key=lambda k: -where[k])[:n]]
+
+
+def _open_around(host: Iterable[Event], start_us: float, end_us: float) -> list[Event]:
+    """The host ranges open over the whole of [start_us, end_us], outermost first; runtime calls left out."""
+    opened = (h for h in host if h.start_us <= start_us and end_us <= h.end_us and not RUNTIME_CALL.match(h.name))
+    return sorted(opened, key=lambda h: (h.start_us, -h.end_us))
 
 
 def _top_host_ops(host: Sequence[Event], n: int = 12) -> list[list[Any]]:

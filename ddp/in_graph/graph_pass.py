@@ -125,10 +125,10 @@ def insert_bucketed_all_reduce(
     outputs = list(output.args[0])
     issued: list[IssuedBucket] = []
     after: list[str] = []
-    sizes = [sum(grads[i][1].meta["val"].numel() for i in b.input_indices if i in grads) for b in plan.buckets]
+    present_of = [[i for i in bucket.input_indices if i in grads] for bucket in plan.buckets]
+    sizes = [sum(grads[i][1].meta["val"].numel() for i in present) for present in present_of]
     padding = _unmatched_padding(graph, sizes) if after_reduce is not None else [0] * len(sizes)
-    for bucket, pad in zip(plan.buckets, padding):
-        present = [i for i in bucket.input_indices if i in grads]
+    for present, pad in zip(present_of, padding):
         members = [grads[i] for i in present]
         if not members:
             after.append("(no gradient in this graph)")

@@ -358,10 +358,6 @@ def test_a_tiny_cpu_run_writes_the_json_and_the_block(tmp_path):
     assert GPU_BEGIN in md.read_text()
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
-
 def test_scalar_reads_are_placed_in_the_host_ranges_open_around_them():
     from benchmarks.kernels import summarize_kernels
 
@@ -391,3 +387,7 @@ def test_scalar_reads_are_placed_in_the_host_ranges_open_around_them():
         ["(the step itself)", 1],
     ]
     assert "scalar_read_where" not in got["per_step"][0]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
