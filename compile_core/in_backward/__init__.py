@@ -64,8 +64,11 @@ Algorithm:
     advances them after the backward (`advance_steps`, one foreach add), as torch's step would have.
 
 Notes: only SGD, Adam and AdamW (exactly these classes, any of their options, foreach and fused
-included) are done in the backward; any other optimizer, or a model that does not compile into a
-single graph, keeps the normal path and the report says why. A parameter the backward does not
+included) are done in the backward; any other optimizer keeps the normal path and the report says why.
+With graph breaks, only a graph that does not end at a break (the last) updates inside its backward,
+and not a parameter that a graph run before it in the forward takes too (a layer
+called on both sides of a break, as tied embeddings are: its gradient is the sum of both backwards).
+A parameter the backward does not
 update (reduced after the backward because something outside the graph adds to its gradient,
 ignored by DDP, or without optimizer state yet because it had no gradient so far) keeps its
 gradient and is updated by the normal `optimizer.step()` right after the backward, in the same

@@ -52,9 +52,12 @@ class UpdatesHook:
                 None, skipped=(), reason="this graph reduces no parameter inside its backward (see in_graph's report)"
             )
         params = inputs.examples
-        templates = {i: t for i in indices if (t := provider.update_for(params[i])) is not None}
-        # No template: not in the optimizer, or no state yet (a branch that joined late). Its
-        # reduced gradient is returned and the normal optimizer step updates it after the backward.
+        templates = {
+            i: t for i in indices if i not in graph.elsewhere and (t := provider.update_for(params[i])) is not None
+        }
+        # No template: not in the optimizer, no state yet (a branch that joined late), or an earlier graph of
+        # the forward adds to its gradient. Its reduced gradient is returned and the normal optimizer step
+        # updates it after the backward.
         skipped = tuple(graph.names.get(id(params[i]), "?") for i in indices if i not in templates)
         if not templates:
             return HookedGraph(None, skipped=skipped, reason="no parameter of this graph has an update yet")

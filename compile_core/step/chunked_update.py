@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+import types
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -60,6 +61,9 @@ from compile_core.step.stand_ins import stand_ins
 
 MAX_SUBSETS = 4
 """Compiled variants per chunk for different sets of parameters with a gradient (see the Note)."""
+
+_NO_STATE: Mapping[str, Any] = types.MappingProxyType({})
+"""The state of a parameter the optimizer keeps none for (read only)."""
 
 
 class ChunkedUpdate:
@@ -162,6 +166,12 @@ class ChunkedUpdate:
 
     # -- parameters without a gradient or optimizer state yet ----------------------------------------
 
+    def _states(self, params: list) -> list[Mapping[str, Any]]:
+        """The optimizer's state of each parameter, read without adding entries (`optimizer.state` is a
+        defaultdict): torch's SGD without momentum keeps none, and `state_dict()` must show none either."""
+        state = self.optimizer.state
+        return [state.get(p, _NO_STATE) for p in params]
+
     def _has_state(self, p: torch.Tensor, group: dict) -> bool:
         state = self.optimizer.state.get(p, {})
         if isinstance(self.optimizer, torch.optim.SGD):
@@ -240,11 +250,8 @@ class ChunkedUpdate:
             for p, real in zip(params, present):
                 p.grad = real.grad.detach().clone()
             states = [
-                {
-                    k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                    for k, v in self.optimizer.state[real].items()
-                }
-                for real in present
+                {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+                for state in self._states(present)
             ]
             with torch.no_grad():
                 self._run(chunk, fn, params=params, states=states)
@@ -322,7 +329,7 @@ class ChunkedUpdate:
                 return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type)
             return type(t).__name__
 
-        states = [self.optimizer.state[p] for p in params] if states is None else states
+        states = self._states(params) if states is None else states
         return tuple(
             (meta(p), meta(p.grad), tuple(sorted((k, meta(v)) for k, v in state.items())))
             for p, state in zip(params, states)
@@ -370,7 +377,7 @@ class ChunkedUpdate:
     ) -> None:
         params = chunk.params if params is None else params
         if states is None:
-            states = [self.optimizer.state[p] for p in params]
+            states = self._states(params)
         if fn is None or any(p.grad is None for p in params):
             # torch skips parameters without a gradient; so does this (rare) path, eagerly.
             kept = [(p, s) for p, s in zip(params, states) if p.grad is not None]

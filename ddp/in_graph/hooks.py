@@ -105,6 +105,10 @@ class GraphToCompile:
     """The buckets its backward all-reduces (by graph input index)."""
     names: Mapping[int, str]
     """id(parameter) -> the user's parameter name."""
+    elsewhere: frozenset[int] = frozenset()
+    """Graph input indices of planned parameters that a graph run earlier in this forward takes too (a layer
+    called on both sides of a graph break, as tied embeddings are): that graph's backward adds to their
+    gradient, so the hook must not use it up."""
 
 
 class NodeBuilder(Protocol):

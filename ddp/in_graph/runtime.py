@@ -348,8 +348,17 @@ class InGraphReducer:
         """What the step's hook does in this graph (it may add inputs); remembered for `step_outcome`."""
         if self._hook is None:  # a hooked variant is only chosen with a hook set
             return HookedGraph(None)
-        graph = GraphToCompile(name=name, gm=gm, inputs=inputs, plan=plan, names=self.names)
+        # The graphs that ran before this one in this forward (it compiles on its first run): a parameter one
+        # of them takes gets a share of its gradient from that graph's backward too.
+        earlier = frozenset().union(*(covered for _, covered, _, _ in self._runs))
+        elsewhere = frozenset(i for i in plan.input_indices() if id(inputs.examples[i]) in earlier)
+        graph = GraphToCompile(name=name, gm=gm, inputs=inputs, plan=plan, names=self.names, elsewhere=elsewhere)
         hooked_graph = self._hook.for_graph(graph)
+        if hooked_graph.consumed & elsewhere:  # the contract of `GraphToCompile.elsewhere`, broken by a hook
+            shared = sorted(self.names.get(id(inputs.examples[i]), "?") for i in hooked_graph.consumed & elsewhere)
+            raise RuntimeError(
+                f"{name}: the backward hook would use up the gradients of {shared}, which another graph adds to"
+            )
         self._hook_reason = hooked_graph.reason
         if hooked_graph.skipped is not None:
             self._skipped = tuple(hooked_graph.skipped)

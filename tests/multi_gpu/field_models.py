@@ -78,6 +78,23 @@ class BrokenHeaded(Headed):
         return self.head(h)
 
 
+class TiedAcrossBreak(nn.Module):
+    """One layer (`shared`) called before and after a graph break, as a language model ties its input embedding
+    to its output head: the layer's parameters are inputs of both compiled graphs, and its gradient is the sum
+    of what each graph's backward gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(WIDTH, WIDTH)
+        self.body = mlp(2)
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, x):
+        h = self.body(torch.tanh(self.shared(x)))
+        torch._dynamo.graph_break()
+        return self.head(torch.tanh(self.shared(h)))
+
+
 class Branchy(nn.Module):
     """`extra` runs only while `use_extra` is set (a Python flag: Dynamo compiles one graph per value)."""
 

@@ -23,6 +23,7 @@ from tests.multi_gpu.field_models import (
     MaxNormEmbedding,
     Mixed,
     Regioned,
+    TiedAcrossBreak,
     add_group_at_update_3,
     aux_on_block_bias,
     aux_on_head_bias,
@@ -194,6 +195,8 @@ SCENARIOS = {
     "step_counts_rewound_at_update_3": lambda r: _step(
         r, _script(make_opt=adamw, before_step_opt=rewind_step_counts_at_update_3)
     ),
+    "tied_across_graph_break": lambda r: _step(r, _script(make_model=TiedAcrossBreak, make_opt=adamw)),
+    "tied_across_graph_break_clip": lambda r: _step(r, _script(make_model=TiedAcrossBreak, make_opt=sgd, clip=0.05)),
     "momentum_cleared_at_update_3": lambda r: _step(
         r, _script(make_opt=sgd_momentum_foreach, before_step_opt=clear_optimizer_state_at_update_3)
     ),
@@ -279,6 +282,25 @@ def test_an_auxiliary_loss_parameter_is_updated_by_the_normal_step_in_the_same_s
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
     _assert_in_backward(per_rank, kept=1)  # head.bias: reduced and updated after the backward
     assert per_rank[0]["report"]["in_graph"]["outside_graph"] == ["head.bias"]
+
+
+def test_a_layer_called_on_both_sides_of_a_graph_break_is_updated_by_the_normal_step(results):
+    """Tied weights across a graph break (an LM's embedding and head, T5 on Dynamo 2.11): the layer is an input
+    of both graphs, so the later graph's backward, which compiles knowing the earlier graph ran, must not
+    update it with its own share of the gradient; the earlier graph, which ends at the break, updates nothing."""
+    per_rank = ok(results, "tied_across_graph_break")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    _assert_in_backward(per_rank, kept=6)  # shared.* (both graphs) and body.* (the graph before the break)
+    iob = _iob(per_rank[0])
+    assert iob["not_updated_in_backward"] == ["shared.weight", "shared.bias"], iob
+    assert per_rank[0]["report"]["in_graph"]["outside_graph"] == ["shared.bias", "shared.weight"]
+
+
+def test_clipping_across_a_graph_break_keeps_the_normal_path_with_eagers_optimizer_state(results):
+    per_rank = ok(results, "tied_across_graph_break_clip")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)  # state included: SGD without momentum keeps none
+    iob = _iob(per_rank[0])
+    assert not iob["active"] and "2 compiled graph(s)" in iob["reason"], iob
 
 
 def test_clipping_with_a_parameter_outside_the_graph_keeps_the_normal_path_and_says_why(results):

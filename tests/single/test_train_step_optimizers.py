@@ -70,6 +70,15 @@ def test_update_of_repeated_blocks_is_compiled_once_per_block_shape():
     assert "per block" in str(step.report())
 
 
+def test_sgd_without_momentum_leaves_the_optimizer_state_as_empty_as_eager():
+    """torch's SGD keeps no state without momentum: `optimizer.state_dict()` after the compiled per-block update
+    equals eager's, with no empty entry per parameter (`optimizer.state` is a defaultdict; reading it adds)."""
+    step = _blocks_trained_like_eager(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert step.report().to_dict()["optimizer"]["per_block"]
+    assert step.optimizer.state_dict()["state"] == {}
+    assert len(step.optimizer.state) == 0
+
+
 def test_a_multi_tensor_update_is_compiled_whole_like_torch_compile_of_the_step():
     """foreach (torch's default on CUDA) SGD that says `fused=False` (else torch's fused step runs it): the whole
     step is one graph of multi-tensor ops, as torch.compile(optimizer.step) makes it, not one compiled call per
