@@ -74,6 +74,17 @@ def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Record that `optimizer` took a step, as its own `step()` would have, for an update that ran without it
+    (compiled, or inside the backward).
+
+    Mirrors `LRScheduler.__init__`'s wrapper of `optimizer.step` (`torch/optim/lr_scheduler.py`), which sets
+    `optimizer._opt_called`; the scheduler's first `step()` warns "Detected call of `lr_scheduler.step()`
+    before `optimizer.step()`" when it finds the flag unset.
+    """
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 def foreach_by_default(params: list[torch.Tensor]) -> bool:
     """Whether torch's SGD, Adam and AdamW, left to choose (`foreach=None`, `fused=None`), take their
     multi-tensor (`_foreach_*`) implementation for `params`: plain tensors all on a device with foreach

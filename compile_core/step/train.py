@@ -64,6 +64,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from aot import torch_eager
 from compile_core import progress
 from compile_core.events import CompileEvents
 from compile_core.in_backward import InBackwardPath
@@ -177,6 +178,9 @@ class TrainStep:
         index = self._updates + 1
         self._follow_param_groups()
         norm = self.update.apply(index)
+        # a compiled update (or one inside the backward) never calls `optimizer.step()`: a scheduler, ours or the
+        # user's, would warn that it is stepped before the optimizer
+        torch_eager.mark_stepped(self.optimizer)
         self.last_grad_norm = None if norm is None else norm.detach().clone()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:

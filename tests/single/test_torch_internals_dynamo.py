@@ -254,6 +254,23 @@ def test_optimizer_step_hooks_are_counted():
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_a_step_marked_taken_keeps_the_schedulers_order_warning_quiet():
+    import warnings
+
+    with canary("aot/torch_eager.py:mark_stepped"):
+        for mark in (False, True):
+            opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+            if mark:
+                torch_eager.mark_stepped(opt)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sched.step()
+            warned = any("before `optimizer.step()`" in str(w.message) for w in caught)
+            assert warned is not mark, (mark, [str(w.message) for w in caught])
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_foreach_by_default_follows_torchs_choice_for_the_parameters_device(monkeypatch):
     with canary("aot/torch_eager.py:foreach_by_default"):
         params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]

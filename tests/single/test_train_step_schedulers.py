@@ -100,3 +100,22 @@ def test_foreach_adam_kind_with_scheduler_matches_eager_and_checkpoints_user_fla
     saved = opt.state_dict()["param_groups"][0]
     assert saved["capturable"] is False and saved["foreach"] is True and isinstance(saved["lr"], float)
     assert not saved.get("fused")
+
+
+def test_a_compiled_update_counts_as_the_optimizers_step_for_the_scheduler():
+    """SGD without momentum has no state to create, so its update is compiled from update 1 and
+    `optimizer.step()` never runs: torch's scheduler, at its first step, warned that the user's loop stepped
+    it before the optimizer, which the loop did not."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND, lr_scheduler=sched)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(3):
+            step(x, y)
+    assert not [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+    assert sched.get_last_lr() == [0.1 * 0.5**3]
