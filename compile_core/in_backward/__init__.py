@@ -66,12 +66,11 @@ Algorithm:
 Notes: only SGD, Adam and AdamW (exactly these classes, any of their options, foreach and fused
 included) are done in the backward; any other optimizer keeps the normal path and the report says why.
 With graph breaks, only a graph that does not end at a break (the last) updates inside its backward,
-and not a parameter that a graph run before it in the forward takes too (a layer
-called on both sides of a break, as tied embeddings are: its gradient is the sum of both backwards).
-A parameter the backward does not
-update (reduced after the backward because something outside the graph adds to its gradient,
-ignored by DDP, or without optimizer state yet because it had no gradient so far) keeps its
-gradient and is updated by the normal `optimizer.step()` right after the backward, in the same
+and not a parameter that a graph run before it in the forward takes too (a layer called on both
+sides of a break, as tied embeddings are: its gradient is the sum of both backwards). A parameter
+the backward does not update (reduced after the backward because something outside the graph adds
+to its gradient, ignored by DDP, or without optimizer state yet because it had no gradient so far)
+keeps its gradient and is updated by the normal `optimizer.step()` right after the backward, in the same
 step: torch skips the parameters whose gradient is None, i.e. those already updated. With
 clipping, every gradient must be inside the graph (the global norm is taken there), else the whole
 update stays on the normal path. Only structural options are baked into the captured graph

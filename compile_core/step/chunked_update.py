@@ -173,7 +173,7 @@ class ChunkedUpdate:
         return [state.get(p, _NO_STATE) for p in params]
 
     def _has_state(self, p: torch.Tensor, group: dict) -> bool:
-        state = self.optimizer.state.get(p, {})
+        state = self.optimizer.state.get(p, _NO_STATE)
         if isinstance(self.optimizer, torch.optim.SGD):
             return group["momentum"] == 0 or state.get("momentum_buffer") is not None
         return "step" in state

@@ -354,11 +354,6 @@ class InGraphReducer:
         elsewhere = frozenset(i for i in plan.input_indices() if id(inputs.examples[i]) in earlier)
         graph = GraphToCompile(name=name, gm=gm, inputs=inputs, plan=plan, names=self.names, elsewhere=elsewhere)
         hooked_graph = self._hook.for_graph(graph)
-        if hooked_graph.consumed & elsewhere:  # the contract of `GraphToCompile.elsewhere`, broken by a hook
-            shared = sorted(self.names.get(id(inputs.examples[i]), "?") for i in hooked_graph.consumed & elsewhere)
-            raise RuntimeError(
-                f"{name}: the backward hook would use up the gradients of {shared}, which another graph adds to"
-            )
         self._hook_reason = hooked_graph.reason
         if hooked_graph.skipped is not None:
             self._skipped = tuple(hooked_graph.skipped)
