@@ -64,6 +64,7 @@ def compile_with_guard_hook(
     fullgraph: bool = False,
     dynamic: bool | None = None,
     isolate_recompiles: bool = False,
+    guard_module_hooks: bool = False,
 ) -> Callable[..., Any]:
     """`torch.compile(fn, backend=...)` plus a callback per failed guard: `on_guard_fail(reason, where)`.
 
@@ -71,6 +72,9 @@ def compile_with_guard_hook(
     `torch.compile` has no route to the guard failures, which are the reasons of every recompile.
     Dynamo calls the hook once per cached entry that failed, just before it compiles again.
     `isolate_recompiles` gives `fn` a cache of its own even when several wrappers share its code.
+    `guard_module_hooks`: a module hook registered or removed after a compile compiles again, as eager runs
+    it (`_dynamo/config.py: skip_nnmodule_hook_guards`, True by default, leaves the first-compiled hooks
+    running: plain `torch.compile` ignores a forward hook added after its first call).
     """
 
     def guard_fail_fn(failure: Any) -> None:  # a `GuardFail(reason, orig_code)` (`_dynamo/types.py`)
@@ -93,9 +97,12 @@ def compile_with_guard_hook(
         guard_fail_fn=guard_fail_fn,
         **isolation,
     )(fn)
-    if guards_follow_requires_grad() is True:
-        return compiled
-    return _with_full_parameter_guards(compiled)
+    unskipped = []
+    if guards_follow_requires_grad() is not True:
+        unskipped.append("skip_tensor_guards_with_matching_dict_tags")
+    if guard_module_hooks:
+        unskipped.append("skip_nnmodule_hook_guards")
+    return _with_guards_unskipped(compiled, unskipped) if unskipped else compiled
 
 
 _TAKES_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
@@ -159,23 +166,26 @@ def guards_follow_requires_grad() -> bool | None:
     return _REQUIRES_GRAD_GUARDED[0]
 
 
-def _with_full_parameter_guards(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """`compiled`, whose compiles (they happen inside its calls) guard every parameter's tensor properties.
+def _with_guards_unskipped(compiled: Callable[..., Any], flags: list[str]) -> Callable[..., Any]:
+    """`compiled`, whose compiles (they happen inside its calls) build the guards that Dynamo's `flags`
+    (`_dynamo/config.py` booleans named `skip_...`) would leave out. A flag is read when a compile builds its
+    guards, so each is off for the duration of each call (about 7 us a call for one, measured here on 2.11).
 
-    For a torch whose guards miss an in-place `requires_grad` change (`guards_follow_requires_grad`):
-    `skip_tensor_guards_with_matching_dict_tags` is read when a compile builds its guards, so it is off
-    for the duration of each call (about 7 us a call measured here on 2.11, plus the tensor checks the fast
-    path would skip), on such torches only.
+    * `skip_tensor_guards_with_matching_dict_tags`, on a torch whose guards miss an in-place `requires_grad`
+      change (`guards_follow_requires_grad`): every parameter's tensor properties are guarded;
+    * `skip_nnmodule_hook_guards`: every module's hook dicts are (`compile_with_guard_hook`).
     """
     config = torch._dynamo.config
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        saved = config.skip_tensor_guards_with_matching_dict_tags
-        config.skip_tensor_guards_with_matching_dict_tags = False
+        saved = [getattr(config, flag) for flag in flags]
+        for flag in flags:
+            setattr(config, flag, False)
         try:
             return compiled(*args, **kwargs)
         finally:
-            config.skip_tensor_guards_with_matching_dict_tags = saved
+            for flag, value in zip(flags, saved):
+                setattr(config, flag, value)
 
     return call
 

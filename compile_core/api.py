@@ -152,6 +152,7 @@ class CompileState:
             fullgraph=config.fullgraph,
             dynamic=config.dynamic,
             on_compiled=self._graph_compiled,
+            guard_module_hooks=True,  # a hook the user adds (or removes) after a compile runs as in eager
         )
         install_compiled_call(inner, Detached(self._run_inner, copied_as=None))
         # Run around DDP's own forward, however the model is called.

@@ -68,8 +68,10 @@ class CompileEvents:
         dynamic: bool | None = None,
         isolate_recompiles: bool = False,
         on_compiled: Callable[[float], None] | None = None,
+        guard_module_hooks: bool = False,
     ) -> Callable[..., Any]:
-        """`fn` compiled by Dynamo with `backend`, every event recorded here."""
+        """`fn` compiled by Dynamo with `backend`, every event recorded here (`guard_module_hooks`: see
+        `compile_with_guard_hook`)."""
         return compile_with_guard_hook(
             fn,
             self.wrap(backend, on_compiled=on_compiled),
@@ -77,6 +79,7 @@ class CompileEvents:
             fullgraph=fullgraph,
             dynamic=dynamic,
             isolate_recompiles=isolate_recompiles,
+            guard_module_hooks=guard_module_hooks,
         )
 
     def record(self, build: Callable[[], Any]) -> Any:

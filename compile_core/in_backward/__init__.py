@@ -65,9 +65,12 @@ Algorithm:
 
 Notes: only SGD, Adam and AdamW (exactly these classes, any of their options, foreach and fused
 included) are done in the backward; any other optimizer keeps the normal path and the report says why.
-With graph breaks, only a graph that does not end at a break (the last) updates inside its backward,
-and not a parameter that a graph run before it in the forward takes too (a layer called on both
-sides of a break, as tied embeddings are: its gradient is the sum of both backwards). A parameter
+With graph breaks, only a graph that does not end at a break updates inside its backward, and only the
+parameters it is the sole gradient producer of: not one that a graph run before it in the forward takes
+too, nor one that update 1's eager step took in more ops than the graph holds (a layer called on both
+sides of a break, as tied embeddings are, also where a submodule's frame compiles on its own and its
+caller's graph follows: its gradient is the sum of both backwards; ddp/in_graph/probe.py, Note
+[Counting a parameter's uses]). A parameter
 the backward does not update (reduced after the backward because something outside the graph adds
 to its gradient, ignored by DDP, or without optimizer state yet because it had no gradient so far)
 keeps its gradient and is updated by the normal `optimizer.step()` right after the backward, in the same

@@ -20,7 +20,7 @@ from compile_core.in_backward.controller import InBackwardController
 from compile_core.step.config import TrainStepConfig
 from compile_core.step.update import clip_and_step
 from compile_core.step.update_path import EagerMicroBatch, UpdateContext, UpdatePath
-from ddp.in_graph.probe import eager_outside_producers
+from ddp.in_graph.probe import eager_outside_producers, gradient_uses
 from inductor import InductorSettings
 
 logger = logging.getLogger(__name__)
@@ -54,21 +54,25 @@ class EagerFirstUpdate:
     variant of its own (a backward that reduces without updating) compiled for that one update. As
     eager DDP it costs one eager step, and the autograd graph, read before its backward, shows the
     parameters that get gradients from outside the model's outputs, which the compiled backward must
-    leave to the step after it."""
+    leave to the step after it, and how many ops take each parameter (a graph holding fewer shares it)."""
 
     def __init__(self, ctx: UpdateContext) -> None:
         self.ctx = ctx
         self.outside: set[int] = set()
         """Parameters update 1's micro-batches found with gradients from outside the model's outputs."""
+        self.uses: dict[int, int] = {}
+        """Per parameter id: the most ops that took it in one of update 1's micro-batches."""
 
     def running(self) -> Any:
         return self.ctx.compiled.eager()
 
     def before_backward(self, output: Any, loss: torch.Tensor) -> None:
         self.outside |= eager_outside_producers(output, loss)
+        for pid, count in gradient_uses(loss).items():
+            self.uses[pid] = max(count, self.uses.get(pid, 0))
 
     def after_sync_backward(self) -> None:
-        self.ctx.compiled.in_graph.after_eager_step(self.outside)
+        self.ctx.compiled.in_graph.after_eager_step(self.outside, self.uses)
 
 
 class InBackwardPath:

@@ -106,9 +106,10 @@ class GraphToCompile:
     names: Mapping[int, str]
     """id(parameter) -> the user's parameter name."""
     elsewhere: frozenset[int] = frozenset()
-    """Graph input indices of planned parameters that a graph run earlier in this forward takes too (a layer
-    called on both sides of a graph break, as tied embeddings are): that graph's backward adds to their
-    gradient, so the hook must not use it up."""
+    """Graph input indices of planned parameters whose gradient another graph's backward or eager code adds to
+    (a layer called on both sides of a graph break, as tied embeddings are): a graph run earlier in this
+    forward takes them, or the eager step took them in more ops than this graph holds (ddp/in_graph/probe.py,
+    Note [Counting a parameter's uses]). The hook must not use up their gradient."""
 
 
 class NodeBuilder(Protocol):

@@ -25,13 +25,31 @@ right whatever share the graph already reduced: the graph's share is the same on
 averaging `share + rest` over the ranks gives `share + mean(rest)`, DDP's total.
 
 Debugging: `report()["in_graph"]["outside_graph"]` lists what was found.
+
+Note [Counting a parameter's uses]
+----------------------------------
+An update inside a graph's backward must see the parameter's whole gradient, which it has only when that
+graph is the parameter's only gradient producer. The probe learns this after a backward, too late for an
+update already compiled, and a graph compiles on its first run, before the graphs after it in the forward
+exist (a submodule's frame compiled on its own, followed by its caller's graph). So the producers are counted
+beforehand: `gradient_uses` counts, in an eager step's autograd graph, the ops that take each parameter, and
+`graph_uses` counts the same in one captured graph. A graph holding fewer uses than the eager step shares the
+parameter with other graphs or eager code. Both counts look through casts: autocast casts a parameter once
+per region and every op under it reuses that cast, where each compiled graph casts again, so the uses of
+the cast say how many ops take the parameter. Where the counts differ otherwise (a parameter the eager step
+did not reach, an op counted differently), the graph's count is the smaller in every case we know of, which
+leaves that parameter to the normal step: slower, not wrong. A graph whose count were too large (it also
+returns a use the loss drops) would update a gradient another graph adds to: the end-of-backward check
+(ddp/in_graph/runtime.py) raises then, naming the parameter.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
+import torch.fx as fx
 
 from aot.torch_eager import tree_leaves
 from aot.torch_graphs import compiled_backward_node, param_edges
@@ -98,3 +116,57 @@ def eager_outside_producers(outputs: Any, loss: torch.Tensor) -> set[int]:
             continue
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+def gradient_uses(loss: torch.Tensor) -> dict[int, int]:
+    """Per parameter id: how many ops of the autograd graph behind `loss` take it (Note [Counting a
+    parameter's uses]). Read from `Node.next_functions`, before the backward."""
+    takers: dict[Any, list[Any]] = defaultdict(list)  # node -> the nodes with an edge to it, one per edge
+    variables: dict[Any, torch.Tensor] = {}
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            variables[node] = variable
+            continue
+        for next_node, _ in node.next_functions:
+            if next_node is not None:
+                takers[next_node].append(node)
+                stack.append(next_node)
+
+    def uses(node: Any) -> int:
+        return sum(uses(t) if t.name() in _EAGER_CASTS and takers.get(t) else 1 for t in takers.get(node, []))
+
+    return {id(variable): uses(node) for node, variable in variables.items()}
+
+
+_EAGER_CASTS = frozenset({"ToCopyBackward0"})
+"""The autograd node of `Tensor.to(dtype)` and of autocast's cast."""
+
+_GRAPH_CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
+"""Tensor methods that cast, as Dynamo records them."""
+
+
+def graph_uses(gm: fx.GraphModule, index: int) -> int:
+    """How many ops of the captured graph `gm` take its input `index` (Note [Counting a parameter's uses])."""
+    placeholder = [n for n in gm.graph.nodes if n.op == "placeholder"][index]
+
+    def uses(node: fx.Node) -> int:
+        total = 0
+        for user in node.users:
+            cast = user.op == "call_method" and user.target in _GRAPH_CASTS and user.args[0] is node
+            total += uses(user) if cast and user.users else _occurrences(user, node)
+        return total
+
+    return uses(placeholder)
+
+
+def _occurrences(user: fx.Node, node: fx.Node) -> int:
+    found = []
+    fx.node.map_arg((user.args, user.kwargs), lambda a: found.append(a is node) or a)
+    return sum(found)

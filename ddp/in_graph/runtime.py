@@ -64,7 +64,7 @@ from ddp.in_graph.hooks import BackwardHook, GraphInputs, GraphToCompile, Hooked
 from ddp.in_graph.leftovers import LeftoverReducer
 from ddp.in_graph.partitioner import InGraphPartitioner
 from ddp.in_graph.policy import Reduction, reduction_for
-from ddp.in_graph.probe import OutsideGradientProbe
+from ddp.in_graph.probe import OutsideGradientProbe, graph_uses
 from ddp.in_graph.variants import GraphsAgreement, accumulates, hooked, variant_for
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class InGraphReducer:
         self._seen_variants: set[str] = set()
         self._new_variant = False
         self._had_grad: set[int] = set()  # covered params holding a .grad when the backward began
+        self._eager_uses: dict[int, int] | None = None  # ops per parameter in an eager step (`after_eager_step`)
         self.accumulate_in_graph = False
         """True (train_step): nothing touches `.grad` between a forward and its backward, so gradients
         accumulated under no_sync are handed to the graph at the forward and reduced with this
@@ -246,12 +247,21 @@ class InGraphReducer:
         """Whether this forward is the first in its variant (its compiles are expected, not recompiles)."""
         return self._new_variant
 
-    def after_eager_step(self, outside: set[int]) -> None:
+    def after_eager_step(self, outside: set[int], uses: dict[int, int]) -> None:
         """After a synchronising step the caller ran eagerly (DDP's reducer reduced it): take up the comm
-        hooks registered so far, and the parameters that step found with gradients from outside the
-        model's outputs (`probe.eager_outside_producers`); every rank calls this at the same step."""
+        hooks registered so far, the parameters that step found with gradients from outside the model's
+        outputs (`probe.eager_outside_producers`), and how many ops took each parameter
+        (`probe.gradient_uses`); every rank calls this at the same step."""
         self._check_hooks()
         self.after.learn_outside(outside, self.agreement, self.params)
+        # The most uses any rank saw (a branch some rank's data skipped): every rank's graphs then leave the
+        # same parameters to the normal step, and the ranks' parameters stay bit-identical.
+        mine = {self.names[pid]: count for pid, count in uses.items() if pid in self._by_id and pid in self.names}
+        most: dict[str, int] = {}
+        for counts in self.agreement.exchange("eager uses", mine).values():
+            for name, count in counts.items():
+                most[name] = max(count, most.get(name, 0))
+        self._eager_uses = {id(p): most[self.names[id(p)]] for p in self.params if self.names.get(id(p)) in most}
         self.grads_kept = sum(p.grad is not None for p in self.params)  # DDP's backward keeps them all
 
     def _check_hooks(self) -> None:
@@ -348,16 +358,21 @@ class InGraphReducer:
         """What the step's hook does in this graph (it may add inputs); remembered for `step_outcome`."""
         if self._hook is None:  # a hooked variant is only chosen with a hook set
             return HookedGraph(None)
-        # The graphs that ran before this one in this forward (it compiles on its first run): a parameter one
-        # of them takes gets a share of its gradient from that graph's backward too.
-        earlier = frozenset().union(*(covered for _, covered, _, _ in self._runs))
-        elsewhere = frozenset(i for i in plan.input_indices() if id(inputs.examples[i]) in earlier)
+        elsewhere = frozenset(i for i in plan.input_indices() if self._shared(gm, i, inputs.examples[i]))
         graph = GraphToCompile(name=name, gm=gm, inputs=inputs, plan=plan, names=self.names, elsewhere=elsewhere)
         hooked_graph = self._hook.for_graph(graph)
         self._hook_reason = hooked_graph.reason
         if hooked_graph.skipped is not None:
             self._skipped = tuple(hooked_graph.skipped)
         return hooked_graph
+
+    def _shared(self, gm: fx.GraphModule, index: int, param: torch.nn.Parameter) -> bool:
+        """Whether another graph or eager code adds to the gradient of `param`, input `index` of `gm`: a graph
+        that ran before this one in this forward (it compiles on its first run) takes it, or the eager step
+        took it in more ops than `gm` holds (a graph after this one, Note [Counting a parameter's uses])."""
+        if any(id(param) in covered for _, covered, _, _ in self._runs):
+            return True
+        return self._eager_uses is not None and graph_uses(gm, index) < self._eager_uses.get(id(param), 1 << 30)
 
     def _take_accumulated(self, param: torch.nn.Parameter) -> torch.Tensor:
         acc = self._stash.pop(id(param), None)

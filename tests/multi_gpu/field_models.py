@@ -95,6 +95,37 @@ class TiedAcrossBreak(nn.Module):
         return self.head(torch.tanh(self.shared(h)))
 
 
+class _BrokenBody(nn.Module):
+    """Two layers with a graph break between them; called with the caller's `shared` layer as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, shared: nn.Module):
+        x = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        return shared(torch.tanh(self.b(x)))
+
+
+class SharedAfterNestedBreak(nn.Module):
+    """A submodule with a graph break calls `shared`, and the caller calls it again afterwards: Dynamo runs
+    the submodule as a frame of its own, whose second graph ends without a break (as the last graph of a
+    model does) and is followed by the caller's graph, which takes `shared` too. A Hugging Face model whose
+    top-level forward breaks (a logged warning) and that ties its embedding to its head is such a model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.body = _BrokenBody()
+        self.shared = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, x):
+        h = self.body(torch.tanh(self.inp(x)), self.shared)
+        return self.head(torch.tanh(self.shared(h)))
+
+
 class Branchy(nn.Module):
     """`extra` runs only while `use_extra` is set (a Python flag: Dynamo compiles one graph per value)."""
 
@@ -209,6 +240,28 @@ def frozen_until_update_3() -> Headed:
     for p in model.body[0].parameters():
         p.requires_grad_(False)
     return model
+
+
+_MODULE_HOOKS: dict[int, object] = {}  # id(model) -> the handle `module_hooks_change` removes later
+
+
+def module_hooks_change(model: nn.Module, micro_batch: int) -> None:
+    """A `before_step` for `Headed` that changes module hooks after the first compile, as a script that starts
+    logging or rescaling activations mid-run does: a forward hook halving `body.0`'s output from micro-batch
+    1, a forward pre-hook doubling the head's input from micro-batch 2, the first hook removed at micro-batch
+    3. The handles are kept outside the model: touching its attributes would recompile on that alone."""
+    if micro_batch == 1:
+        _MODULE_HOOKS[id(model)] = model.body[0].register_forward_hook(lambda module, args, out: out * 0.5)
+    elif micro_batch == 2:
+        model.head.register_forward_pre_hook(lambda module, args: (args[0] * 2.0,))
+    elif micro_batch == 3:
+        _MODULE_HOOKS.pop(id(model)).remove()
+
+
+def branch_on_rank_0_first(model: nn.Module, micro_batch: int) -> None:
+    """A `before_step` for `Branchy`: `extra` runs on rank 0 alone in the first micro-batch (its data took
+    that branch), on every rank after it."""
+    model.use_extra = micro_batch > 0 or dist.get_rank() == 0
 
 
 def branch_from(first: int):

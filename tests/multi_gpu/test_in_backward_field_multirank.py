@@ -23,11 +23,13 @@ from tests.multi_gpu.field_models import (
     MaxNormEmbedding,
     Mixed,
     Regioned,
+    SharedAfterNestedBreak,
     TiedAcrossBreak,
     add_group_at_update_3,
     aux_on_block_bias,
     aux_on_head_bias,
     branch_from,
+    branch_on_rank_0_first,
     clamp_grad_hooks,
     clear_optimizer_state_at_update_3,
     frozen_until_update_3,
@@ -139,6 +141,15 @@ SCENARIOS = {
     "branch_joins_at_update_3": lambda r: _step(
         r, _script(make_model=Branchy, before_step=branch_from(2), ddp_kwargs={"find_unused_parameters": True})
     ),
+    "branch_on_rank_0_at_update_1": lambda r: _step(
+        r,
+        _script(
+            make_model=Branchy,
+            make_opt=adamw,
+            before_step=branch_on_rank_0_first,
+            ddp_kwargs={"find_unused_parameters": True},
+        ),
+    ),
     "static_graph": lambda r: _step(r, _script(make_opt=adamw, ddp_kwargs={"static_graph": True})),
     "process_subgroup": lambda r: _step(r, _script(make_opt=adamw, group=lambda: dist.new_group([0, 1]))),
     "frozen_parameters": lambda r: _step(r, _script(make_model=frozen_body_start, make_opt=adamw)),
@@ -197,6 +208,7 @@ SCENARIOS = {
     ),
     "tied_across_graph_break": lambda r: _step(r, _script(make_model=TiedAcrossBreak, make_opt=adamw)),
     "tied_across_graph_break_clip": lambda r: _step(r, _script(make_model=TiedAcrossBreak, make_opt=sgd, clip=0.05)),
+    "shared_after_nested_break": lambda r: _step(r, _script(make_model=SharedAfterNestedBreak, make_opt=adamw)),
     "momentum_cleared_at_update_3": lambda r: _step(
         r, _script(make_opt=sgd_momentum_foreach, before_step_opt=clear_optimizer_state_at_update_3)
     ),
@@ -294,6 +306,29 @@ def test_a_layer_called_on_both_sides_of_a_graph_break_is_updated_by_the_normal_
     iob = _iob(per_rank[0])
     assert iob["not_updated_in_backward"] == ["shared.weight", "shared.bias"], iob
     assert per_rank[0]["report"]["in_graph"]["outside_graph"] == ["shared.bias", "shared.weight"]
+
+
+def test_a_layer_shared_with_a_graph_after_a_nested_frame_is_left_to_the_normal_step(results):
+    """`shared` is taken by the submodule frame's last graph and by the caller's graph after it. That submodule
+    graph ends without a break and compiles before the caller's graph exists, so only the count of `shared`'s
+    uses in update 1's eager autograd graph (two, against one in each graph) tells it that another graph's
+    backward adds to the gradient; before, it updated `shared` with its own share and update 2 raised."""
+    per_rank = ok(results, "shared_after_nested_break")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    iob = _iob(per_rank[0])
+    assert iob["active"] and iob["updates_in_backward"] == UPDATES - 1, iob
+    assert iob["not_updated_in_backward"] == ["shared.weight", "shared.bias"], iob
+    assert per_rank[0]["report"]["in_graph"]["outside_graph"] == ["shared.bias", "shared.weight"]
+
+
+def test_a_branch_one_rank_took_in_update_1_is_updated_inside_the_backward_on_every_rank(results):
+    """Update 1 (eager) counted `extra`'s uses on rank 0 only; the ranks agree on the most uses any rank saw,
+    so every rank's graph updates `extra` inside its backward and the ranks stay bit-identical."""
+    per_rank = ok(results, "branch_on_rank_0_at_update_1")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    for r in per_rank:
+        iob = _iob(r)
+        assert iob["active"] and iob["not_updated_in_backward"] == [], iob
 
 
 def test_clipping_across_a_graph_break_keeps_the_normal_path_with_eagers_optimizer_state(results):

@@ -29,6 +29,7 @@ from tests.multi_gpu.field_models import (
     bf16_by_hand,
     clamp_grad_hooks,
     halve_hook,
+    module_hooks_change,
     regression_data,
 )
 from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager
@@ -117,6 +118,20 @@ SCENARIOS = {
     "graph_break_no_sync_accumulation": lambda r: _in_graph(r, _script(make_model=BrokenHeaded, accum=2)),
     "gradient_hooks_clamp": lambda r: _in_graph(r, _script(setup=clamp_grad_hooks)),
     "forward_writes_a_parameter": lambda r: _in_graph(r, _script(make_model=MaxNormEmbedding)),
+    "module_hooks_change_in_graph": lambda r: _in_graph(r, _script(before_step=module_hooks_change, steps=5)),
+    "module_hooks_change_split": lambda r: run_against_eager(
+        _script(before_step=module_hooks_change, steps=5), r, how="compile", ddp="split", bucket_cap_mb=CAP_MB
+    ),
+    "module_hooks_change_in_backward": lambda r: run_against_eager(
+        _script(
+            before_step=module_hooks_change, steps=5, make_opt=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)
+        ),
+        r,
+        how="train_step",
+        ddp="in_graph",
+        optimizer_in_backward=True,
+        bucket_cap_mb=CAP_MB,
+    ),
     "rank_dependent_branch_split": lambda r: run_against_eager(
         _rank_branch_script(), r, how="compile", ddp="split", bucket_cap_mb=CAP_MB
     ),
@@ -343,6 +358,18 @@ def test_a_forward_that_writes_a_parameter_in_place(results):
     per_rank = ok(results, "forward_writes_a_parameter")
     assert_like_eager(per_rank)
     assert "emb.weight" in _reduced_in_graph(per_rank[0]["report"])
+
+
+@pytest.mark.parametrize(
+    "name", ["module_hooks_change_in_graph", "module_hooks_change_split", "module_hooks_change_in_backward"]
+)
+def test_module_hooks_added_and_removed_after_the_first_compile_run_as_in_eager(results, name):
+    """Plain `torch.compile` keeps running the hooks its first compile saw (Dynamo skips guards on module hooks
+    by default): a hook registered later never ran, a removed one kept running. Ours compile again."""
+    per_rank = ok(results, name)
+    assert_like_eager(per_rank)
+    recompiles = per_rank[0]["report"]["recompiles"]  # update 1 of the in-backward step runs eagerly
+    assert len(recompiles) >= 2 and all("hooks" in r["reason"] for r in recompiles), recompiles
 
 
 def test_gradient_as_bucket_view(results):

@@ -36,8 +36,18 @@ pytest.importorskip("transformers", reason="needs the `transformers` package (te
 
 from tests.multi_gpu.test_transformers_multirank import CAP_MB, MODELS, _logits_loss, _scenario  # noqa: E402
 
+
+def _gpt2_checkpointed():
+    """GPT-2 with `gradient_checkpointing_enable()` in training: its top-level forward logs a warning, a graph
+    break that leaves the transformer's frame one graph and the tied head another."""
+    model = MODELS["gpt2"][0]()
+    model.gradient_checkpointing_enable()
+    return model.train()
+
+
+MODELS = {**MODELS, "gpt2_checkpointed": (_gpt2_checkpointed, MODELS["gpt2"][1])}
 IN_GRAPH = ("gpt2", "llama")  # the plain loop; the other families' reduce graph is checked through IN_BACKWARD
-IN_BACKWARD = ("gpt2", "bert", "t5", "vit", "resnet")  # llama: tests/multi_gpu/test_in_backward_multirank.py
+IN_BACKWARD = ("gpt2", "bert", "t5", "vit", "resnet", "gpt2_checkpointed")  # llama: test_in_backward_multirank.py
 UPDATES = 3
 NOISE = 1e-4  # an update under this fraction of the largest is rounding noise (see `_update_errors`)
 
@@ -95,15 +105,31 @@ def results():
     return run_ranks(_all, world_size=2, timeout=560)
 
 
+def _shared_between_graphs(report: dict, variant: str) -> list[str]:
+    """Parameters in the buckets of more than one `variant` graph (a layer on both sides of a graph break:
+    T5's tied embedding under torch 2.11's Dynamo); each graph reduces only its own share of them."""
+    seen: dict[str, int] = {}
+    for g in report["graphs"]:
+        if g.get("variant") == variant:
+            for n in {n for b in g["buckets"] for n in b["params"]}:
+                seen[n] = seen.get(n, 0) + 1
+    return sorted(n for n, count in seen.items() if count > 1)
+
+
 def _assert_reduced_in_the_compiled_backward(per_rank: list[dict], variant: str) -> None:
     """Each rank's report: the compiled backward all-reduced, nothing fell back, every parameter sits in one
-    bucket of the `variant` graph, and both ranks bucketed alike."""
+    bucket of each `variant` graph, one that several graphs take is also averaged after the backward (its
+    total gradient, as DDP averages it), and both ranks bucketed alike."""
     for rank, r in enumerate(per_rank):
         report = r["report"]
         assert report["in_graph"]["reducer"] == "compiled backward", report["in_graph"]
         assert report["in_graph"]["fallbacks"] == [] and report["fallbacks"] == [], report
-        names = [n for g in report["graphs"] if g.get("variant") == variant for b in g["buckets"] for n in b["params"]]
-        assert len(names) == len(set(names)) and names, f"rank {rank}: {names}"
+        for g in report["graphs"]:
+            if g.get("variant") == variant:
+                names = [n for b in g["buckets"] for n in b["params"]]
+                assert len(names) == len(set(names)) and names, f"rank {rank}, {g.get('name')}: {names}"
+        shared = _shared_between_graphs(report, variant)
+        assert set(shared) <= set(report["in_graph"]["outside_graph"]), (rank, shared, report["in_graph"])
     assert [g["buckets"] for g in per_rank[0]["report"]["graphs"]] == [
         g["buckets"] for g in per_rank[1]["report"]["graphs"]
     ]
@@ -150,4 +176,6 @@ def test_model_family_updates_inside_the_backward_like_eager_ddp(results, name):
         report = r["in_backward"]
         assert report["active"] and report["reason"] is None, report
         assert report["updates_in_backward"] == UPDATES - 1, report  # update 1 creates the state
-        assert report["not_updated_in_backward"] == [], report
+        # A parameter two graphs take gets a share of its gradient from each backward: the normal step updates
+        # it (none on torch 2.13, where every family here is one graph).
+        assert report["not_updated_in_backward"] == _shared_between_graphs(r["report"], "reduce_update"), report

@@ -168,6 +168,48 @@ def test_the_eager_first_step_finds_the_parameters_a_loss_reaches_beside_the_mod
     assert eager_outside_producers({"logits": out}, aux) == {id(model[2].bias), id(model[0].weight)}
 
 
+class _TiedUnderAutocast(nn.Module):
+    """`lin` twice under autocast (one cached cast in eager, a cast per call in a graph), an embedding tied to
+    the output, a parameter multiplied by itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin, self.scale = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Parameter(torch.ones(4))
+
+    def forward(self, ids, split: bool = False):
+        h = self.emb(ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.lin(self.lin(h))
+        if split:
+            torch._dynamo.graph_break()
+        return (h.float() * self.scale * self.scale) @ self.emb.weight.t()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_graph_holds_as_many_uses_of_a_parameter_as_the_eager_step_only_when_it_holds_them_all(split):
+    """Note [Counting a parameter's uses]: in one graph every count equals the eager step's; cut by a break,
+    the tied embedding's two uses and `scale`'s two go to different graphs and each graph counts fewer."""
+    from ddp.in_graph.probe import gradient_uses, graph_uses
+
+    model, ids = _TiedUnderAutocast(), torch.tensor([[1, 2, 3]])
+    eager = gradient_uses(model(ids).sum())
+    assert [eager[id(p)] for p in (model.emb.weight, model.lin.weight, model.lin.bias, model.scale)] == [2, 2, 2, 2]
+    captured = []
+
+    def backend(gm, example_inputs):
+        captured.append({id(x): graph_uses(gm, i) for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)})
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(ids, split)
+    names = {id(p): n for n, p in model.named_parameters()}
+    graphs = [{names[i]: n for i, n in uses.items()} for uses in captured]
+    if not split:
+        assert graphs == [{"emb.weight": 2, "lin.weight": 2, "lin.bias": 2, "scale": 2}], graphs
+    else:
+        assert graphs == [{"emb.weight": 1, "lin.weight": 2, "lin.bias": 2}, {"scale": 2, "emb.weight": 1}], graphs
+
+
 def _in_backward_step(**compile_kwargs):
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

@@ -56,6 +56,41 @@ def test_wrappers_of_one_function_compiled_with_isolate_recompiles_keep_caches_a
         assert not [f for f in failures if "size" in f.lower()], failures
 
 
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+@pytest.mark.parametrize("guarded", [True, False])
+def test_module_hooks_changed_after_a_compile_compile_again_only_when_guarded(guarded):
+    """`guard_module_hooks`: a forward hook registered on a layer compiled without one runs from the next call,
+    and stops once removed. Unguarded (Dynamo's default, `skip_nnmodule_hook_guards`), the first compile's
+    hooks keep running: the check that the flag still means what we turn off."""
+    with canary("aot/torch_dynamo.py:compile_with_guard_hook"):
+        torch._dynamo.reset()
+        model, x = _TwoLayers(), torch.randn(2, 3)
+        reasons: list[str] = []
+        fn = torch_dynamo.compile_with_guard_hook(
+            model, "eager", on_guard_fail=lambda r, w: reasons.append(r), guard_module_hooks=guarded
+        )
+        plain = fn(x)
+        handle = model.a.register_forward_hook(lambda module, args, out: out * 0)
+        hooked = fn(x)
+        handle.remove()
+        after = fn(x)
+        assert torch.equal(after, plain)
+        if guarded:
+            # one compile more: removing the hook brings back the first compile's graph, not a third
+            assert torch.equal(hooked, model.b(torch.zeros(2, 3))) and len(reasons) == 1, reasons
+        else:
+            assert torch.equal(hooked, plain) and reasons == [], reasons
+
+
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_lookup_backend_and_restart_and_error_types():
     with canary("aot/torch_dynamo.py:lookup_backend/RestartAnalysis/DynamoError"):
