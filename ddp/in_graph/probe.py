@@ -154,7 +154,7 @@ _GRAPH_CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "
 
 def graph_uses(gm: fx.GraphModule, index: int) -> int:
     """How many ops of the captured graph `gm` take its input `index` (Note [Counting a parameter's uses])."""
-    placeholder = [n for n in gm.graph.nodes if n.op == "placeholder"][index]
+    placeholder = gm.graph.find_nodes(op="placeholder")[index]  # fx keeps them indexed: no walk per parameter
 
     def uses(node: fx.Node) -> int:
         total = 0

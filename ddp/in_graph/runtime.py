@@ -372,7 +372,10 @@ class InGraphReducer:
         took it in more ops than `gm` holds (a graph after this one, Note [Counting a parameter's uses])."""
         if any(id(param) in covered for _, covered, _, _ in self._runs):
             return True
-        return self._eager_uses is not None and graph_uses(gm, index) < self._eager_uses.get(id(param), 1 << 30)
+        if self._eager_uses is None:  # no eager step: update 1 ran compiled, as one graph (the controller's rule)
+            return False
+        most = self._eager_uses.get(id(param))
+        return most is None or graph_uses(gm, index) < most  # not reached by the eager step: counted as shared
 
     def _take_accumulated(self, param: torch.nn.Parameter) -> torch.Tensor:
         acc = self._stash.pop(id(param), None)
