@@ -25,16 +25,25 @@ the default is long), `timeout_s` after. Both come from `AgreementTimeouts`, who
 set per job with `DDP_COMPILE_FIRST_TIMEOUT_S` / `DDP_COMPILE_TIMEOUT_S`. A group of one rank
 exchanges nothing.
 
+Waiting for a rank that may be compiling: a rank that compiled in the middle of a run cannot know
+whether the others compiled too (they will come, late) or ran what was agreed before (they wait in
+their collectives for this rank, and will never come). Each rank announces its compiles (`busy()`:
+one store write when one starts and one when it ends; rare, so free in steady state). A `collect`
+given `busy_up_to_s` waits `timeout_s`, then goes on waiting, in slices of `timeout_s` up to
+`busy_up_to_s` in all, only while a missing rank is inside a compile or started or ended one during the
+last slice; a missing rank that announced nothing for a whole slice is reported as not compiling.
+
 Debugging: the error message carries the topic, the exchange number and each rank's value.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
@@ -47,6 +56,11 @@ class RankAgreementError(RuntimeError):
 
 class RankTimeoutError(RankAgreementError):
     """Some ranks never reached an exchange within its timeout."""
+
+    def __init__(self, message: str, *, compiling: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.compiling = compiling
+        """The missing ranks that were compiling when the wait ended (see `RankAgreement.collect`)."""
 
 
 class RankMismatchError(RankAgreementError):
@@ -104,6 +118,8 @@ class RankAgreement:
         self.ranks = dist.get_process_group_ranks(group) if dist.is_initialized() else [0]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._counts: dict[str, int] = {}
+        self._busy_depth = 0
+        self._busy_changes = 0
 
     def exchange(self, topic: str, value: Any, *, timeout_s: float | None = None) -> dict[int, Any]:
         """Every rank's value (global rank -> value); raises `RankTimeoutError` naming missing ranks."""
@@ -119,8 +135,11 @@ class RankAgreement:
             torch_ddp.default_store().set(f"{self.prefix}/{topic}/{n}/{self.rank}", pickle.dumps(value))
         return PostedValue(topic=topic, n=n, value=value)
 
-    def collect(self, posted: PostedValue, *, timeout_s: float | None = None) -> dict[int, Any]:
-        """Every rank's value of the exchange `posted` belongs to; raises `RankTimeoutError` naming missing ranks."""
+    def collect(
+        self, posted: PostedValue, *, timeout_s: float | None = None, busy_up_to_s: float | None = None
+    ) -> dict[int, Any]:
+        """Every rank's value of the exchange `posted` belongs to; raises `RankTimeoutError` naming missing ranks.
+        With `busy_up_to_s`, waits past the timeout while a missing rank is compiling (see the Note)."""
         topic, n = posted.topic, posted.n
         if len(self.ranks) == 1:
             return {self.rank: posted.value}
@@ -129,24 +148,66 @@ class RankAgreement:
         base = f"{self.prefix}/{topic}/{n}"
         keys = {r: f"{base}/{r}" for r in self.ranks}
         others = [keys[r] for r in self.ranks if r != self.rank]
-        try:
-            store.wait(others, datetime.timedelta(seconds=timeout))  # blocks in the store: no polling
-        except RuntimeError:  # the store's timeout (DistStoreError), or a store that went away
-            missing = [r for r in self.ranks if r != self.rank and not store.check([keys[r]])]
-            if not missing:
-                raise
-            raise RankTimeoutError(
-                f"rank {self.rank}: rank(s) {missing} did not reach '{topic}' (exchange {n}) within "
-                f"{timeout:.0f}s; they are stuck, dead, or took another path (a graph break, recompile or "
-                "compile failure on that rank only). Raise DDP_COMPILE_FIRST_TIMEOUT_S / DDP_COMPILE_TIMEOUT_S "
-                "if they are only slow to compile"
-            ) from None
+        waited, seen = 0.0, (self._busy_states() if busy_up_to_s is not None else {})
+        while True:
+            wait = timeout if busy_up_to_s is None else min(timeout, max(busy_up_to_s - waited, 1e-3))
+            try:
+                store.wait(others, datetime.timedelta(seconds=wait))  # blocks in the store: no polling
+                break
+            except RuntimeError:  # the store's timeout (DistStoreError), or a store that went away
+                missing = [r for r in self.ranks if r != self.rank and not store.check([keys[r]])]
+                if not missing:
+                    raise
+            waited += wait
+            if busy_up_to_s is None:
+                raise RankTimeoutError(
+                    f"rank {self.rank}: rank(s) {missing} did not reach '{topic}' (exchange {n}) within "
+                    f"{waited:.0f}s; they are stuck, dead, or took another path (a graph break, recompile or "
+                    "compile failure on that rank only). Raise DDP_COMPILE_FIRST_TIMEOUT_S / DDP_COMPILE_TIMEOUT_S "
+                    "if they are only slow to compile"
+                ) from None
+            now = self._busy_states()
+            compiling = [r for r in missing if now.get(r, (False, 0))[0] or now.get(r) != seen.get(r)]
+            if not compiling:
+                raise RankTimeoutError(
+                    f"rank {self.rank}: rank(s) {missing} did not reach '{topic}' (exchange {n}) within "
+                    f"{waited:.0f}s and started or ended no compile in the last {wait:.0f}s: they are stuck, "
+                    "dead, or took another path than this rank (a graph break or recompile on this rank only). "
+                    "Raise DDP_COMPILE_TIMEOUT_S if they are only slow"
+                ) from None
+            if waited >= busy_up_to_s:
+                raise RankTimeoutError(
+                    f"rank {self.rank}: rank(s) {missing} did not reach '{topic}' (exchange {n}) within "
+                    f"{waited:.0f}s; rank(s) {compiling} were still compiling. Raise DDP_COMPILE_FIRST_TIMEOUT_S "
+                    "if they are only slow to compile",
+                    compiling=tuple(compiling),
+                ) from None
+            seen = now
         values = {r: pickle.loads(store.get(keys[r])) for r in self.ranks}
         if n > 0:
             # Every rank wrote exchange n, so every rank is done reading n-1: our old key can go,
             # and a long run keeps at most two keys per rank and topic in the store.
             store.delete_key(f"{self.prefix}/{topic}/{n - 1}/{self.rank}")
         return values
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """This rank compiles inside the block: the other ranks' `collect(..., busy_up_to_s=...)` wait for it
+        (see the Note). One store write on entry and one on exit."""
+        self._busy_depth += 1
+        self._announce_busy()
+        try:
+            yield
+        finally:
+            self._busy_depth -= 1
+            self._announce_busy()
+
+    def _announce_busy(self) -> None:
+        self._busy_changes += 1
+        self.publish("busy", (self._busy_depth > 0, self._busy_changes))
+
+    def _busy_states(self) -> dict[int, tuple[bool, int]]:
+        return self.peek("busy")
 
     def publish(self, topic: str, value: Any) -> None:
         """Leave this rank's latest `value` for others to `peek` at (never waits)."""
@@ -162,10 +223,17 @@ class RankAgreement:
         return {r: pickle.loads(store.get(k)) for r, k in keys.items() if store.check([k])}
 
     def agree(
-        self, topic: str, value: Any, *, describe: Callable[[Any], str] = repr, timeout_s: float | None = None
+        self,
+        topic: str,
+        value: Any,
+        *,
+        describe: Callable[[Any], str] = repr,
+        timeout_s: float | None = None,
+        busy_up_to_s: float | None = None,
     ) -> None:
-        """Raise `RankMismatchError` naming each rank whose value differs from the lowest rank's."""
-        values = self.exchange(topic, value, timeout_s=timeout_s)
+        """Raise `RankMismatchError` naming each rank whose value differs from the lowest rank's (`timeout_s`,
+        `busy_up_to_s`: see `collect`)."""
+        values = self.collect(self.post(topic, value), timeout_s=timeout_s, busy_up_to_s=busy_up_to_s)
         first = min(values)
         differing = [r for r in sorted(values) if values[r] != values[first]]
         if differing:

@@ -293,8 +293,19 @@ class InGraphReducer:
         on_partitioned: Callable[[list[str]], None],
     ) -> tuple[Callable[..., Any], GradBucketPlan | None]:
         """Compile one graph in the current variant; returns (callable for Dynamo, plan or None)."""
-        variant = self.variant
         self._compiled_this_step = True
+        with self.agreement.busy():  # a rank waiting for this one in `GraphsAgreement.agree` waits on
+            return self._compile(gm, example_inputs, name, compile_piece, on_partitioned)
+
+    def _compile(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list,
+        name: str,
+        compile_piece: CompileFn,
+        on_partitioned: Callable[[list[str]], None],
+    ) -> tuple[Callable[..., Any], GradBucketPlan | None]:
+        variant = self.variant
         if variant == "local":
             compiled, _ = compile_piece(gm, list(example_inputs), name)
             return compiled, None

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ddp.agreement import RankAgreement, RankMismatchError
+from ddp.agreement import RankAgreement, RankMismatchError, RankTimeoutError
 
 VARIANTS = ("local", "reduce", "reduce_acc", "reduce_update", "reduce_acc_update")
 """local: no collective (no_sync, no grad); reduce: all-reduce per bucket; _acc: plus the gradients
@@ -95,14 +95,34 @@ class GraphsAgreement:
     def agree(self, signature: Signature, *, compiled_this_step: bool) -> bool:
         """Agree on `signature` unless it is the last agreed one; True when the ranks exchanged.
 
-        A step that compiled waits `first_timeout_s` for the others (they may still be compiling).
+        The first agreement waits `first_timeout_s` when this rank compiled (the others may still be
+        compiling). A later step that compiled waits `timeout_s`, and on up to `first_timeout_s` only while a
+        rank it waits for announces compiles (Note [Rank agreement]): the others either compiled too, or ran
+        the graphs agreed before and wait in their all-reduces for this rank, where only this rank's path
+        changed (a module hook with a graph break, registered on this rank alone).
         """
         if not self.changed(signature):
             return False
         timeouts = self.agreement.timeouts
-        wait = timeouts.first_timeout_s if compiled_this_step else timeouts.timeout_s
+        if not compiled_this_step:
+            wait = {"timeout_s": timeouts.timeout_s}
+        elif self.agreed is None:
+            wait = {"timeout_s": timeouts.first_timeout_s}
+        else:
+            wait = {"timeout_s": timeouts.timeout_s, "busy_up_to_s": timeouts.first_timeout_s}
         try:
-            self.agreement.agree("graphs run", signature, describe=describe_signature, timeout_s=wait)
+            self.agreement.agree("graphs run", signature, describe=describe_signature, **wait)
+        except RankTimeoutError as err:
+            if "busy_up_to_s" not in wait or err.compiling:
+                raise
+            raise RankTimeoutError(
+                f"{err}\nddp='in_graph': if the ranks it waits for are alive, they did not compile what this rank "
+                "compiled at this step: they run the graphs agreed before, whose all-reduces wait for this rank. "
+                "Make the change that recompiled on every rank (register a module hook that breaks the graph, such "
+                "as one calling .item() or printing a tensor, on every rank, or keep it free of graph breaks), or "
+                "use ddp='split'",
+                compiling=err.compiling,
+            ) from None
         except RankMismatchError as err:
             # Raised on every rank, before any of this step's collectives: nothing hangs.
             raise RankMismatchError(

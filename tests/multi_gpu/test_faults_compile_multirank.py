@@ -63,6 +63,8 @@ RANK_SCRIPT = textwrap.dedent(
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
         for step in range(4):
+            if fault == "late_hook" and rank == 1 and step == 2:  # activation logging on this rank, mid-run
+                model.c.register_forward_hook(lambda mod, args, out: print("mean", out.mean().item()))
             batch = 6 if (fault == "recompile" and rank == 1 and step >= 2) else 4  # new size, this rank only
             g = torch.Generator().manual_seed(100 * step + rank)
             x = torch.randn(batch, 32, generator=g)
@@ -94,12 +96,12 @@ RANK_SCRIPT = textwrap.dedent(
 _job = pytest.fixture(launch_job_fixture("compilefault", RANK_SCRIPT))
 
 
-def _env(workdir, cases: str, backend: str) -> dict:
+def _env(workdir, cases: str, backend: str, first_timeout_s: int = 60) -> dict:
     return {
         "CASES": cases,
         "BACKEND": backend,
         "TORCHINDUCTOR_CACHE_DIR": str(workdir / "cache"),
-        "DDP_COMPILE_FIRST_TIMEOUT_S": "60",
+        "DDP_COMPILE_FIRST_TIMEOUT_S": str(first_timeout_s),
         "DDP_COMPILE_TIMEOUT_S": "30",
     }
 
@@ -108,9 +110,10 @@ def _env(workdir, cases: str, backend: str) -> dict:
 def job(_job: LaunchJob):
     """`job(fault, mode)` runs the rank script's one case on 2 gloo ranks through the launcher: (result, seconds)."""
 
-    def run(fault: str, mode: str, *, backend: str = "aot_eager", timeout: float = 150):
+    def run(fault: str, mode: str, *, backend: str = "aot_eager", timeout: float = 150, first_timeout_s: int = 60):
         start = time.time()
-        res, end = _job.run(env=_env(_job.workdir, f"{fault}:{mode}", backend), timeout=timeout)
+        env = _env(_job.workdir, f"{fault}:{mode}", backend, first_timeout_s)
+        res, end = _job.run(env=env, timeout=timeout)
         return res, end - start
 
     return run
@@ -186,6 +189,20 @@ def test_in_graph_mode_names_the_rank_whose_graph_break_changed_the_buckets(job)
     assert "RankMismatchError" in line and "ranks [1] differ from rank 0" in line, line
     assert "RESULT" not in res.stdout  # nothing trained past the divergence
     assert seconds < 60 + 30, f"{seconds:.1f} s"
+
+
+@pytest.mark.timeout(300)
+def test_in_graph_mode_ends_soon_when_a_hook_on_one_rank_breaks_its_graph_mid_run(job):
+    # Rank 1 recompiles at step 2 (a new forward hook whose .item() breaks the graph) and waits for rank 0 to
+    # agree on its new graphs; rank 0 compiled nothing and waits in its all-reduce. Rank 1 must not wait out the
+    # long compile timeout (here 200 s) for a rank that is not compiling: it stops after DDP_COMPILE_TIMEOUT_S.
+    res, seconds = job("late_hook", "in_graph", first_timeout_s=200, timeout=280)
+    assert res.returncode == 1, res.stdout[-2000:]
+    line = _failed_line(res.stderr)
+    assert "RankTimeoutError" in line and "rank(s) [0] did not reach 'graphs run'" in line, line
+    assert "started or ended no compile" in line, line
+    assert "RESULT" not in res.stdout  # nothing trained past the divergence
+    assert seconds < 200, f"{seconds:.1f} s"
 
 
 @pytest.mark.timeout(300)
