@@ -24,7 +24,8 @@ first step or between steps). So the ranks agree without a rendezvous of their o
   * the layout comes from the graphs compiled in the first forward with gradients enabled (a forward
     under `no_grad` compiles graphs of its own that never reduce); right after that forward each rank
     posts its layout to the store and goes on (`RankAgreement.post`: nothing waits);
-  * the swap happens at the first forward, of whatever kind, after this rank's first synchronising
+  * the swap happens at the first forward, of whatever kind (one under `torch.inference_mode` too: the
+    new buckets are made outside it), after this rank's first synchronising
     backward ended. That backward all-reduced with every other rank, so every rank had finished its
     layout forward and posted: reading the others' layouts (`collect`) waits for nothing that needs
     this rank's progress, and its timeout only guards against a rank that is genuinely stuck. Every
@@ -266,7 +267,10 @@ class ReducerAlignment:
         first = min(offers)
         chosen = offers[first][1]
         differing = [r for r, (_, other) in sorted(offers.items()) if other != chosen]
-        frozen = rebuild_reducer(self.ddp, chosen)
+        # The forward that swaps may be an evaluation under torch.inference_mode: the new reducer's bucket
+        # tensors, which every later backward writes into, must not be inference tensors.
+        with torch.inference_mode(False):
+            frozen = rebuild_reducer(self.ddp, chosen)
         params, _ = torch_ddp.reducer_params(self.ddp)
         self.buckets = [frozenset(self.names[id(params[i])] for i in b) for b in chosen]
         self.status = "aligned"

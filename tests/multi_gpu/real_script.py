@@ -10,7 +10,8 @@ What such a script does to the object `torch.compile(ddp_model)` handed back, an
     of using `no_sync()`: the gradients after a micro-batch that does not synchronise must stay local;
   * the learning rate follows a cosine schedule written into `param_groups` by hand; the gradients are
     clipped with `clip_grad_norm_`; `zero_grad(set_to_none=True)`;
-  * rank 0 alone evaluates under `no_grad` (in eval mode) before the first update and every few updates, and
+  * rank 0 alone evaluates under `no_grad` (or `torch.inference_mode`, as Lightning validates) in eval mode
+    before the first update and every few updates, and
     the ranks may evaluate different numbers of batches; optionally rank 0 alone runs a forward with
     gradients enabled and no backward (a probe for logging, with the sync flag off: with it on, eager DDP
     itself hangs).
@@ -101,6 +102,8 @@ class Loop:
     eval_interval: int = 2
     eval_batches: tuple[int, int] = (3, 0)
     """Batches rank 0 and rank 1 evaluate at each evaluation (0: that rank does not evaluate)."""
+    eval_under: str = "no_grad"
+    """"no_grad" (nanoGPT's `estimate_loss`) or "inference_mode" (Lightning's validation loop)."""
     grad_probe_at: int | None = None
     """At this iteration rank 0 alone runs a forward with gradients and no backward, with DDP's
     `require_backward_grad_sync` off (None: never)."""
@@ -140,10 +143,10 @@ def grad_fingerprint(module: nn.Module) -> float:
     return float(sum(p.grad.double().sum() * (i + 1) for i, p in enumerate(module.parameters()) if p.grad is not None))
 
 
-@torch.no_grad()
-def estimate_loss(model: nn.Module, batches: Batches, n: int) -> float:
+def estimate_loss(model: nn.Module, batches: Batches, n: int, under: str = "no_grad") -> float:
     model.eval()
-    losses = [model(*batches.eval())[1].item() for _ in range(n)]
+    with {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[under]():
+        losses = [model(*batches.eval())[1].item() for _ in range(n)]
     model.train()
     return sum(losses) / len(losses)
 
@@ -168,7 +171,7 @@ def run_loop(
             group["lr"] = lr
         evaluates = loop.eval_batches[rank]
         if it % loop.eval_interval == 0 and evaluates:
-            out["evals"].append(estimate_loss(model, batches, evaluates))
+            out["evals"].append(estimate_loss(model, batches, evaluates, loop.eval_under))
             if rank == 0:
                 checkpoint = {"model": raw_model.state_dict(), "optimizer": opt.state_dict(), "iter_num": it}
                 out["checkpoint_keys"] = list(checkpoint["model"])

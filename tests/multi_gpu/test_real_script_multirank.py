@@ -21,10 +21,13 @@ pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(600)]
 
 EVAL_FIRST = Loop()  # rank 0 alone evaluates before update 1 and before update 3
 UNEVEN = Loop(eval_batches=(3, 1), grad_probe_at=1)  # both evaluate, unevenly; rank 0 probes with gradients
+# rank 0 alone validates under inference_mode before every update: the first forward after update 1 is one of them
+INFERENCE = Loop(eval_interval=1, eval_under="inference_mode")
 
 SCENARIOS = {
     "split": lambda r: compiled_run(r, EVAL_FIRST, "compile", ddp="split", bucket_cap_mb=0.01),
     "split_uneven": lambda r: compiled_run(r, UNEVEN, "compile", ddp="split", bucket_cap_mb=0.01),
+    "split_inference": lambda r: compiled_run(r, INFERENCE, "compile", ddp="split", bucket_cap_mb=0.01),
     "in_graph": lambda r: compiled_run(r, EVAL_FIRST, "compile", ddp="in_graph", bucket_cap_mb=0.01),
     "in_graph_uneven": lambda r: compiled_run(r, UNEVEN, "compile", ddp="in_graph", bucket_cap_mb=0.01),
     "none": lambda r: compiled_run(r, EVAL_FIRST, "compile", ddp="none"),
@@ -79,7 +82,7 @@ def _check(results, name: str, *, local_grads: bool = True) -> dict:
     return per_rank[0]["ours"]["report"]
 
 
-@pytest.mark.parametrize("name", ["split", "split_uneven"])
+@pytest.mark.parametrize("name", ["split", "split_uneven", "split_inference"])
 def test_split_trains_the_script_like_eager_and_aligns_after_rank0_evaluation(results, name):
     report = _check(results, name)
     assert report["alignment"]["status"] == "aligned", report["alignment"]
