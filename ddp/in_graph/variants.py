@@ -104,16 +104,16 @@ class GraphsAgreement:
         if not self.changed(signature):
             return False
         timeouts = self.agreement.timeouts
-        if not compiled_this_step:
-            wait = {"timeout_s": timeouts.timeout_s}
-        elif self.agreed is None:
-            wait = {"timeout_s": timeouts.first_timeout_s}
-        else:
-            wait = {"timeout_s": timeouts.timeout_s, "busy_up_to_s": timeouts.first_timeout_s}
+        first = compiled_this_step and self.agreed is None
+        timeout_s = timeouts.first_timeout_s if first else timeouts.timeout_s
+        mid_run = compiled_this_step and not first  # wait longer only for ranks that announce compiles
+        busy_up_to_s = timeouts.first_timeout_s if mid_run else None
         try:
-            self.agreement.agree("graphs run", signature, describe=describe_signature, **wait)
+            self.agreement.agree(
+                "graphs run", signature, describe=describe_signature, timeout_s=timeout_s, busy_up_to_s=busy_up_to_s
+            )
         except RankTimeoutError as err:
-            if "busy_up_to_s" not in wait or err.compiling:
+            if not mid_run or err.compiling:
                 raise
             raise RankTimeoutError(
                 f"{err}\nddp='in_graph': if the ranks it waits for are alive, they did not compile what this rank "
