@@ -1,7 +1,8 @@
 """The private parts of torch's eager objects that the compile stack reads, in one place (a home of private
 torch internals, like `aot/torch_dynamo.py`): a module's compiled call, operator overloads, pytree's
 flattening, the optimizer's step hooks, its choice of implementation, the devices of its fused kernels and
-the fused SGD/Adam/AdamW kernels themselves, and a tensor's version counter.
+the fused SGD/Adam/AdamW kernels themselves, a tensor's version counter, and the wrapper `torch.compile(module)`
+returns.
 
 These are how `nn.Module`, `torch._ops`, `torch.utils._pytree` and `torch.optim` work when nothing compiles;
 Dynamo's and AOTAutograd's own internals are in `aot/torch_dynamo.py` and `aot/torch_graphs.py`. Each
@@ -38,6 +39,25 @@ def call_uncompiled(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     inlines torch.nn code, `nn.Sequential` included) when called from a frame it compiles.
     """
     return module._call_impl(*args, **kwargs)
+
+
+def uncompile_torch_wrapper(module: torch.nn.Module) -> torch.nn.Module | None:
+    """If `module` is the wrapper `torch.compile(original)` returned, make its call run `original` uncompiled
+    and return `original`; else None.
+
+    Mirrors `OptimizedModule._initialize` (`torch/_dynamo/eval_frame.py`): the wrapper's `forward` is its
+    compiled call of `original.__call__` (`_forward`, behind a lazy-module check, when `original` is lazy);
+    here it becomes `original.__call__` itself, as torch makes it under a disabled context. The wrapper's own
+    hooks still run around it; a forward run eagerly then never compiles the model with the script's backend.
+    """
+    if not isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return None
+    original = module._orig_mod
+    if hasattr(original, "_initialize_hook"):
+        module._forward = original.__call__
+    else:
+        module.forward = original.__call__
+    return original
 
 
 def is_op_overload(fn: Any) -> bool:

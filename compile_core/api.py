@@ -22,7 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import DynamoError, root_cause
-from aot.torch_eager import call_uncompiled, install_compiled_call, installed_compiled_call
+from aot.torch_eager import call_uncompiled, install_compiled_call, installed_compiled_call, uncompile_torch_wrapper
 from compile_core import progress
 from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents
@@ -108,6 +108,16 @@ class CompileState:
             )
         self._inner = inner
         self._log = CompileLog()
+        # nanoGPT's `compile=True`: the script ran torch.compile on its model before DDP wrapped it. Our
+        # compile takes its place (an eager forward, update 1 of the in-backward step, must not compile it).
+        original = uncompile_torch_wrapper(inner)
+        if original is not None:
+            note = (
+                f"the module is torch.compile's wrapper of {type(original).__name__}: compile_core compiles it "
+                f"with backend={config.backend_name}; the backend and options given to torch.compile are not used"
+            )
+            self._log.notes.append(note)
+            log.warning("compile_core: %s", note)
         if config.nested_regions:
             marked = apply_nested_regions(inner)
             self._log.notes.append(

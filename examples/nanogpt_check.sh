@@ -11,6 +11,8 @@
 # (seconds per run, default 1200: a hang fails instead of waiting), REPORT (1, the default: ours prints
 # rank 0's compile report after training; a diagnostic, not part of the user's change; 0 leaves it out),
 # COMPILE_ARGS (more keyword arguments for ours' compile call, e.g. "bucket_cap_mb=0.1"; default none),
+# TORCH_COMPILE (train.py's own --compile in both runs, default False; True: the script torch.compiles its
+# model before DDP wraps it, as nanoGPT does by default, and ours' compile takes its place),
 # PYTHON (default: this repo's .venv),
 # WORK (where the copies, logs and checkpoints go; default a new temp dir, kept and printed).
 #
@@ -20,8 +22,8 @@
 #     machine the device given by --device is kept and DDP gets no device_ids.
 #   * ours only (the user's change): right after `model = DDP(...)`,
 #         model = compile_core.compile(model, backend=...)
-#     plus `import compile_core` next to train.py's imports; train.py's own torch.compile stays off
-#     (--compile=False in both modes).
+#     plus `import compile_core` next to train.py's imports; train.py's own torch.compile is off in both
+#     modes (--compile=False) unless TORCH_COMPILE=True turns it on in both.
 # The dataset is made here: walks on a fixed random Markov chain over 64 tokens (each token is followed
 # by one of 4 successors), so the loss starts near ln 64 = 4.16 and can fall towards ln 4 = 1.39.
 set -euo pipefail
@@ -36,6 +38,7 @@ TOL=${TOL:-1e-3}
 RUN_TIMEOUT=${RUN_TIMEOUT:-1200}
 REPORT=${REPORT:-1}
 COMPILE_ARGS=${COMPILE_ARGS:-}
+TORCH_COMPILE=${TORCH_COMPILE:-False}
 PYTHON=${PYTHON:-$HERE/.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3
 WORK=${WORK:-$(mktemp -d /tmp/nanogpt_check.XXXXXX)}
@@ -108,7 +111,7 @@ run() {  # $1: mode; trains in $WORK/$1, log in $WORK/$1.log, wall seconds in $W
     t0=$(date +%s.%N)
     (cd "$dir" && OMP_NUM_THREADS=1 PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" \
         timeout "$RUN_TIMEOUT" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 train.py \
-        --dataset=chk --device=cpu --backend=gloo --compile=False --dtype=float32 \
+        --dataset=chk --device=cpu --backend=gloo --compile="$TORCH_COMPILE" --dtype=float32 \
         --n_layer=2 --n_head=2 --n_embd=64 --block_size=32 --batch_size=4 --gradient_accumulation_steps=4 \
         --max_iters="$ITERS" --lr_decay_iters="$ITERS" --warmup_iters=2 --eval_interval=10 --eval_iters=2 \
         --log_interval=1 --always_save_checkpoint=True --out_dir=out) >"$WORK/$mode.log" 2>&1 || rc=$?
@@ -125,10 +128,11 @@ status=0
 for m in $MODES; do run "$m" || status=$?; done
 [ "$MODE" = both ] && [ "$status" = 0 ] || exit "$status"
 
-"$PYTHON" - "$WORK" "$TOL" <<'EOF'
+"$PYTHON" - "$WORK" "$TOL" "$TORCH_COMPILE" <<'EOF'
 import re, sys
 import torch
 work, tol = sys.argv[1], float(sys.argv[2])
+wrapped = sys.argv[3] == "True"  # train.py checkpoints torch.compile's wrapper: `_orig_mod.` keys, in both runs
 pat = re.compile(r"^(step|iter) (\d+): (?:train loss ([\d.]+), val loss ([\d.]+)|loss ([\d.]+))", re.M)
 
 def losses(mode):
@@ -154,9 +158,9 @@ ok &= worst <= tol
 ce = torch.load(f"{work}/eager/out/ckpt.pt", map_location="cpu", weights_only=False)
 co = torch.load(f"{work}/ours/out/ckpt.pt", map_location="cpu", weights_only=False)
 ke, ko = list(ce["model"]), list(co["model"])
-prefixed = [k for k in ko if k.startswith(("module.", "_orig_mod."))]
+prefixed = [k for k in ko if k.startswith(("module.",) if wrapped else ("module.", "_orig_mod."))]
 print(f"checkpoint: iter {ce['iter_num']} / {co['iter_num']}, {len(ke)} / {len(ko)} model keys (eager / ours); "
-      f"same keys in the same order: {ke == ko}; keys with a module./_orig_mod. prefix in ours: {len(prefixed)}")
+      f"same keys in the same order: {ke == ko}; keys with a prefix eager's lack in ours: {len(prefixed)}")
 ok &= ke == ko and not prefixed and ce["iter_num"] == co["iter_num"]
 if ke == ko:
     diff = max((ce["model"][k].float() - co["model"][k].float()).abs().max().item() for k in ke)

@@ -4,12 +4,14 @@ What such a script does to the object `torch.compile(ddp_model)` handed back, an
   * the model comes from a class with methods of its own (`configure_optimizers`, `estimate_mfu`), its
     token embedding tied to the output layer, and it returns `(logits, loss)`;
   * the optimizer is built from the raw model before DDP wraps it: AdamW with a decay and a no-decay group;
+  * optionally (nanoGPT's `compile=True`) the raw model is `torch.compile`d before DDP wraps it, with a
+    backend of the script's own that counts its compiles (`SCRIPT_COMPILES`);
   * `raw_model = model.module` is taken from what the compile returned: checkpoints are
     `raw_model.state_dict()`, and `raw_model.estimate_mfu(...)` is logged;
   * gradient accumulation sets `model.require_backward_grad_sync = (micro == last)` on that object instead
     of using `no_sync()`: the gradients after a micro-batch that does not synchronise must stay local;
   * the learning rate follows a cosine schedule written into `param_groups` by hand; the gradients are
-    clipped with `clip_grad_norm_`; `zero_grad(set_to_none=True)`;
+    clipped with `clip_grad_norm_` (or not); `zero_grad(set_to_none=True)`;
   * rank 0 alone evaluates under `no_grad` (or `torch.inference_mode`, as Lightning validates) in eval mode
     before the first update and every few updates, and
     the ranks may evaluate different numbers of batches; optionally rank 0 alone runs a forward with
@@ -109,6 +111,20 @@ class Loop:
     `require_backward_grad_sync` off (None: never)."""
     batch: int = 4
     lr: float = 3e-3
+    clip: float | None = 1.0
+    """`clip_grad_norm_` before each update (nanoGPT's `grad_clip`; None: `grad_clip = 0.0`, no clipping)."""
+    torch_compiled: bool = False
+    """nanoGPT's `compile=True`: `model = torch.compile(model)` (backend `script_backend`) before DDP wraps it."""
+
+
+SCRIPT_COMPILES: list[int] = []
+"""One entry per graph the script's own `torch.compile` compiled, in this process."""
+
+
+def script_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    """The backend the script's own torch.compile uses: counts, then runs the graph as traced."""
+    SCRIPT_COMPILES.append(len(gm.graph.nodes))
+    return gm.forward
 
 
 def cosine_lr(it: int, loop: Loop) -> float:
@@ -196,13 +212,15 @@ def run_loop(
             if micro < loop.accum - 1:
                 out["local_fingerprints"].append(grad_fingerprint(raw_model))
         if step is None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if loop.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), loop.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
         out["mfu"] = raw_model.estimate_mfu(loop.batch * loop.accum * BLOCK, 1.0)
     out["params"] = {n: t.cpu() for n, t in snapshot(raw_model).items()}
     out["is_ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    out["module_is_raw"] = type(raw_model) is TinyGPT
+    # `.module` is what the script wrapped: its model, or torch.compile's wrapper of it
+    out["module_is_raw"] = type(getattr(raw_model, "_orig_mod", raw_model)) is TinyGPT
     return out
 
 
@@ -210,7 +228,7 @@ def fresh(device: torch.device, loop: Loop) -> tuple[nn.Module, torch.optim.Opti
     torch.manual_seed(0)
     raw = TinyGPT().to(device)
     opt = raw.configure_optimizers(loop.lr)  # from the raw model, before DDP wraps it
-    return wrap_ddp(raw), opt
+    return wrap_ddp(torch.compile(raw, backend=script_backend) if loop.torch_compiled else raw), opt
 
 
 def compiled_run(rank: int, loop: Loop, how: str, **options: Any) -> dict[str, Any]:
@@ -221,6 +239,7 @@ def compiled_run(rank: int, loop: Loop, how: str, **options: Any) -> dict[str, A
     os.environ.setdefault("DDP_COMPILE_FIRST_TIMEOUT_S", "45")
     device = rank_device(rank)
     options.setdefault("backend", "aot_eager")
+    compiles_before = len(SCRIPT_COMPILES)
     model, opt = fresh(device, loop)
     if how == "compile":
         model = compile_core.compile(model, **options)  # the one line a script changes
@@ -231,12 +250,14 @@ def compiled_run(rank: int, loop: Loop, how: str, **options: Any) -> dict[str, A
             opt,
             lambda output, _: output[1],
             accum_steps=loop.accum,
-            clip_grad_norm=1.0,
+            clip_grad_norm=loop.clip,
             **options,
         )
         ours = run_loop(model, opt, rank, loop, step=step)
         ours["step_report"] = step.report().to_dict()
     ours["report"] = model.report().to_dict()
+    ours["script_compiles"] = len(SCRIPT_COMPILES) - compiles_before
     model, opt = fresh(device, loop)
     eager = run_loop(model, opt, rank, loop)
+    eager["script_compiles"] = len(SCRIPT_COMPILES) - compiles_before - ours["script_compiles"]
     return {"ours": ours, "eager": eager}

@@ -23,6 +23,9 @@ EVAL_FIRST = Loop()  # rank 0 alone evaluates before update 1 and before update 
 UNEVEN = Loop(eval_batches=(3, 1), grad_probe_at=1)  # both evaluate, unevenly; rank 0 probes with gradients
 # rank 0 alone validates under inference_mode before every update: the first forward after update 1 is one of them
 INFERENCE = Loop(eval_interval=1, eval_under="inference_mode")
+# nanoGPT's compile=True: the script torch.compiles its model before DDP wraps it; without clipping, update 1 of
+# the in-backward step runs eagerly, so it is the one that would call the script's own compile
+TORCH_COMPILED = Loop(iters=5, eval_batches=(3, 1), torch_compiled=True, clip=None)
 
 SCENARIOS = {
     "split": lambda r: compiled_run(r, EVAL_FIRST, "compile", ddp="split", bucket_cap_mb=0.01),
@@ -36,6 +39,10 @@ SCENARIOS = {
     "train_step_in_graph": lambda r: compiled_run(r, UNEVEN, "train_step", ddp="in_graph", bucket_cap_mb=0.01),
     "train_step_in_backward": lambda r: compiled_run(
         r, Loop(iters=5, eval_batches=(3, 1), grad_probe_at=2), "train_step", ddp="in_graph", optimizer_in_backward=True
+    ),
+    "split_torch_compiled": lambda r: compiled_run(r, TORCH_COMPILED, "compile", ddp="split", bucket_cap_mb=0.01),
+    "train_step_in_backward_torch_compiled": lambda r: compiled_run(
+        r, TORCH_COMPILED, "train_step", ddp="in_graph", optimizer_in_backward=True
     ),
 }
 
@@ -72,7 +79,9 @@ def _check(results, name: str, *, local_grads: bool = True) -> dict:
         # an evaluation graph only rank 0 compiled is no difference between the ranks that matters
         assert r["ours"]["report"]["rank_differences"] == [], (rank, r["ours"]["report"]["rank_differences"])
     keys = per_rank[0]["ours"]["checkpoint_keys"]
-    assert keys and not any(k.startswith(("module.", "_orig_mod.")) for k in keys), keys[:3]
+    assert keys and not any(k.startswith("module.") for k in keys), keys[:3]
+    wrapped = per_rank[0]["eager"]["script_compiles"] > 0  # the script torch.compiled its model itself
+    assert all(k.startswith("_orig_mod.") == wrapped for k in keys), keys[:3]
     e0, e1 = per_rank[0]["eager"], per_rank[1]["eager"]
     assert e0["losses"][0] != e1["losses"][0], "both ranks saw the same data: a missing reduction would not show"
     if local_grads:
@@ -109,3 +118,16 @@ def test_train_step_with_the_update_in_the_backward_trains_the_script_like_eager
     for r in ok(results, "train_step_in_backward"):
         in_backward = r["ours"]["step_report"]["optimizer_in_backward"]
         assert in_backward["active"] and in_backward["updates_in_backward"] >= 3, in_backward
+
+
+@pytest.mark.parametrize("name", ["split_torch_compiled", "train_step_in_backward_torch_compiled"])
+def test_a_model_the_script_torch_compiled_before_ddp_is_compiled_by_us_alone(results, name):
+    """nanoGPT's `compile=True`: DDP wraps `torch.compile(model)`. We compile the model inside (the script's
+    backend never runs, not even in the in-backward step's eager update 1), train it like the eager script
+    (whose torch.compile did run), and say so in the report."""
+    report = _check(results, name, local_grads=name.startswith("split"))
+    for r in ok(results, name):
+        assert r["eager"]["script_compiles"] > 0, "the script's own torch.compile never ran in the eager script"
+        compiled = r["ours"]["script_compiles"]
+        assert compiled == 0, f"{compiled} graphs compiled by the script's backend"
+    assert any("torch.compile's wrapper of TinyGPT" in note for note in report["notes"]), report["notes"]

@@ -117,6 +117,28 @@ def test_a_modules_call_can_be_replaced_and_bypassed_like_module_compile_does():
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_the_wrapper_torch_compile_returns_can_call_its_module_uncompiled():
+    with canary("aot/torch_eager.py:uncompile_torch_wrapper"):
+        compiles = []
+
+        def scripts_backend(gm, example_inputs):
+            compiles.append(gm)
+            return gm.forward
+
+        assert torch_eager.uncompile_torch_wrapper(nn.Linear(2, 2)) is None
+        linear, hooked = nn.Linear(2, 2), []
+        wrapper = torch.compile(linear, backend=scripts_backend)
+        wrapper.register_forward_hook(lambda mod, args, out: hooked.append(out.shape))
+        assert torch_eager.uncompile_torch_wrapper(wrapper) is linear
+        x = torch.randn(3, 2)
+        torch.testing.assert_close(wrapper(x), linear(x))
+        assert compiles == [] and hooked == [torch.Size([3, 2])]  # not compiled; the wrapper's hooks run
+        lazy = torch.compile(nn.LazyLinear(4), backend=scripts_backend)
+        torch_eager.uncompile_torch_wrapper(lazy)
+        assert lazy(x).shape == (3, 4) and compiles == []  # a lazy module is still initialised first
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_operators_are_told_from_other_callables():
     with canary("aot/torch_eager.py:is_op_overload"):
         assert torch_eager.is_op_overload(torch.ops.aten.add.Tensor)
