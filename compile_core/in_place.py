@@ -82,12 +82,17 @@ def _reduce_as_base(self: Any, protocol: int) -> Any:
 
 class Detached:
     """A callable we attach to the user's modules (the compiled call, forward hooks). A copy of the module
-    gets `copied_as` in its place (None: no compiled call; a no-op hook), never our state."""
+    gets `copied_as` in its place (None: no compiled call; a no-op hook), never our state.
+
+    A `torch.compile` the script puts around the compiled model (`torch.compile(compile_core.compile(ddp))`)
+    stops at each call of one (a graph break) instead of tracing our runtime, frame by frame: what we
+    compiled runs as compiled, and the outer compile keeps only DDP's code around it."""
 
     def __init__(self, fn: Callable[..., Any], *, copied_as: Callable[..., Any] | None) -> None:
         self.fn = fn
         self.copied_as = copied_as
 
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 

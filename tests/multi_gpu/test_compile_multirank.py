@@ -37,6 +37,7 @@ def train_both(
     our_cap_mb: tuple | None = None,
     reuse_pieces: bool = True,
     ddp_mode: str = "split",
+    outer_compile: bool = False,
 ):
     import compile_core
 
@@ -50,6 +51,14 @@ def train_both(
     compiled = compile_core.compile(
         ours, backend=backend, ddp=ddp_mode, bucket_cap_mb=override, reuse_pieces=reuse_pieces
     )
+    outer_ops: list[str] = []
+    if outer_compile:  # the script's own torch.compile around what ours returned (timm compiles after DDP)
+
+        def scripts_backend(gm, example_inputs):
+            outer_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        compiled = torch.compile(compiled, backend=scripts_backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     per_step = []
@@ -66,8 +75,9 @@ def train_both(
     return {
         "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
         "ref": {n: p.detach().cpu() for n, p in ref.named_parameters()},
-        "report": compiled.report().to_dict(),
+        "report": ours.report().to_dict(),
         "ddp_buckets": per_step,
+        "outer_ops": outer_ops,
     }
 
 
@@ -130,3 +140,21 @@ def test_whole_graph_and_pytorch_split_modes_match_eager_ddp(mode):
     else:  # each graph DDPOptimizer hands us is one piece
         assert pieces and set(pieces) == {1}, pieces
         assert results[0]["report"]["alignment"]["status"] == "not ours"
+
+
+@pytest.mark.parametrize("mode", ["split", "in_graph"])
+def test_a_torch_compile_around_the_compiled_model_leaves_the_model_to_us(mode):
+    """`torch.compile(compile_core.compile(ddp))`: the outer compile stops at our model call. Before, it traced
+    our runtime frame by frame and compiled some of the model's own ops itself, outside our pieces. The outer
+    compile runs torch's DDPOptimizer on DDP's own frames, which refuses a DDP bucket cap under 1 MiB."""
+    results = run_ranks(train_both, "aot_eager", 1.0, None, True, mode, True, world_size=2, timeout=280)
+    for rank, r in enumerate(results):
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, r["ref"][name], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")
+        model_ops = [op for op in r["outer_ops"] if "linear" in op or "layer_norm" in op or "embedding" in op]
+        assert not model_ops, f"rank {rank}: the script's torch.compile compiled model ops {model_ops}"
+        assert sum(g["pieces"] for g in r["report"]["graphs"]) >= 1 and not r["report"]["fallbacks"]
+    if mode == "split":
+        assert all(r["report"]["alignment"]["status"] == "aligned" for r in results)
+    for name, p in results[0]["params"].items():
+        assert torch.equal(p, results[1]["params"][name]), f"{name} differs between ranks"
