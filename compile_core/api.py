@@ -101,23 +101,14 @@ class CompileState:
         self._config = config
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         inner = model.module if self._ddp is not None else model
-        if installed_compiled_call(inner) is not None:
+        if isinstance(inner, CompiledModel) or isinstance(installed_compiled_call(inner), Detached):
             raise ValueError(
-                f"{type(inner).__name__} is already compiled (module.compile() or compile_core.compile); "
+                f"{type(inner).__name__} is already compiled by compile_core.compile (which compiles in place): "
                 "compile each module once"
             )
         self._inner = inner
         self._log = CompileLog()
-        # nanoGPT's `compile=True`: the script ran torch.compile on its model before DDP wrapped it. Our
-        # compile takes its place (an eager forward, update 1 of the in-backward step, must not compile it).
-        original = uncompile_torch_wrapper(inner)
-        if original is not None:
-            note = (
-                f"the module is torch.compile's wrapper of {type(original).__name__}: compile_core compiles it "
-                f"with backend={config.backend_name}; the backend and options given to torch.compile are not used"
-            )
-            self._log.notes.append(note)
-            log.warning("compile_core: %s", note)
+        self._take_place_of_torch_compile(inner, config)
         if config.nested_regions:
             marked = apply_nested_regions(inner)
             self._log.notes.append(
@@ -181,6 +172,24 @@ class CompileState:
             cap / MiB,
             first / MiB,
         )
+
+    def _take_place_of_torch_compile(self, inner: torch.nn.Module, config: CompileConfig) -> None:
+        # nanoGPT's `compile=True` (`torch.compile(model)` before DDP wraps it) or `model.compile()`: our compile
+        # takes the place of the script's, which must not run either in an eager forward of ours (update 1 of
+        # the in-backward step). Our compiled call replaces `module.compile()`'s when it is installed.
+        original = uncompile_torch_wrapper(inner)
+        if original is not None:
+            how = f"torch.compile's wrapper of {type(original).__name__}"
+        elif installed_compiled_call(inner) is not None:
+            how = f"{type(inner).__name__}, compiled by module.compile()"
+        else:
+            return
+        note = (
+            f"the module is {how}: compile_core compiles it with backend={config.backend_name}; the backend and "
+            "options given to torch.compile are not used"
+        )
+        self._log.notes.append(note)
+        log.warning("compile_core: %s", note)
 
     def _auto_cap(self, model: torch.nn.Module) -> AutoCap:
         if self._ddp is None:

@@ -4,8 +4,8 @@ What such a script does to the object `torch.compile(ddp_model)` handed back, an
   * the model comes from a class with methods of its own (`configure_optimizers`, `estimate_mfu`), its
     token embedding tied to the output layer, and it returns `(logits, loss)`;
   * the optimizer is built from the raw model before DDP wraps it: AdamW with a decay and a no-decay group;
-  * optionally (nanoGPT's `compile=True`) the raw model is `torch.compile`d before DDP wraps it, with a
-    backend of the script's own that counts its compiles (`SCRIPT_COMPILES`);
+  * optionally the raw model is compiled before DDP wraps it, `torch.compile(model)` (nanoGPT's `compile=True`)
+    or `model.compile()`, with a backend of the script's own that counts its compiles (`SCRIPT_COMPILES`);
   * `raw_model = model.module` is taken from what the compile returned: checkpoints are
     `raw_model.state_dict()`, and `raw_model.estimate_mfu(...)` is logged;
   * gradient accumulation sets `model.require_backward_grad_sync = (micro == last)` on that object instead
@@ -113,8 +113,9 @@ class Loop:
     lr: float = 3e-3
     clip: float | None = 1.0
     """`clip_grad_norm_` before each update (nanoGPT's `grad_clip`; None: `grad_clip = 0.0`, no clipping)."""
-    torch_compiled: bool = False
-    """nanoGPT's `compile=True`: `model = torch.compile(model)` (backend `script_backend`) before DDP wraps it."""
+    torch_compiled: str = ""
+    """How the script compiles its model before DDP wraps it (backend `script_backend`): "wrapper" (nanoGPT's
+    `compile=True`: `model = torch.compile(model)`), "in_place" (`model.compile()`), "" (it does not)."""
 
 
 SCRIPT_COMPILES: list[int] = []
@@ -228,7 +229,11 @@ def fresh(device: torch.device, loop: Loop) -> tuple[nn.Module, torch.optim.Opti
     torch.manual_seed(0)
     raw = TinyGPT().to(device)
     opt = raw.configure_optimizers(loop.lr)  # from the raw model, before DDP wraps it
-    return wrap_ddp(torch.compile(raw, backend=script_backend) if loop.torch_compiled else raw), opt
+    if loop.torch_compiled == "wrapper":
+        raw = torch.compile(raw, backend=script_backend)
+    elif loop.torch_compiled == "in_place":
+        raw.compile(backend=script_backend)
+    return wrap_ddp(raw), opt
 
 
 def compiled_run(rank: int, loop: Loop, how: str, **options: Any) -> dict[str, Any]:
