@@ -236,11 +236,11 @@ class BenchConfig:
                 "fp16 autocast needs loss scaling, not offered here)"
             )
         if self.compile_mode is not None:
-            from inductor.compilers import MODES as COMPILE_MODES
+            from inductor.torch_inductor import mode_names
 
-            if self.compile_mode not in COMPILE_MODES:
+            if self.compile_mode not in mode_names():
                 raise ValueError(
-                    f"BenchConfig.compile_mode={self.compile_mode!r}: use None or one of {list(COMPILE_MODES)} "
+                    f"BenchConfig.compile_mode={self.compile_mode!r}: use None or one of {list(mode_names())} "
                     "(--compile-mode)"
                 )
             if self.backend != "inductor":

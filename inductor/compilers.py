@@ -16,12 +16,9 @@ from typing import Any, Callable, Mapping
 import torch.fx as fx
 
 from aot.torch_graphs import nested_region_calls
-from inductor.torch_inductor import compile_fx_with, mode_options, option_names, partitioner_patch
+from inductor.torch_inductor import compile_fx_with, mode_names, mode_options, option_names, partitioner_patch
 
 log = logging.getLogger(__name__)
-
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-"""The modes `torch.compile` accepts."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,8 +33,8 @@ class InductorSettings:
     """Passed to the mode's option table (some modes differ for dynamic shapes)."""
 
     def __post_init__(self) -> None:
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is not a torch.compile mode; use one of {MODES} or None")
+        if self.mode is not None and self.mode not in mode_names():
+            raise ValueError(f"mode={self.mode!r} is not a torch.compile mode; use one of {mode_names()} or None")
         if self.options is not None:
             if not isinstance(self.options, Mapping):
                 raise TypeError(f"options must be a dict of Inductor config names, got {type(self.options).__name__}")

@@ -27,6 +27,13 @@ def option_names() -> frozenset[str]:
     return frozenset(torch._inductor.list_options())
 
 
+def mode_names() -> tuple[str, ...]:
+    """The modes this torch's `torch.compile` accepts (2.11-2.14 add `lite` to the four of earlier releases)."""
+    import torch._inductor
+
+    return tuple(torch._inductor.list_mode_options())
+
+
 def mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:
     """The Inductor config a `torch.compile` mode stands for (`torch._inductor.list_mode_options`)."""
     import torch._inductor

@@ -82,6 +82,11 @@ def test_mode_and_options_become_config_patches():
     assert patches["max_autotune"] is True and patches["epilogue_fusion"] is False
 
 
+def test_modes_are_the_ones_this_torch_compile_takes():
+    """`mode="lite"` (torch.compile's since 2.11) was refused by a list of four modes written down here."""
+    assert InductorSettings(mode="lite").config_patches()["fallback_by_default"] is True
+
+
 class _Partitioner:
     """Stands in for ddp/in_graph's partitioner: a uuid."""
 

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.usefixtures("pg")
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_inductor_option_and_mode_tables():
-    with canary("inductor/torch_inductor.py:option_names/mode_options"):
+    with canary("inductor/torch_inductor.py:option_names/mode_names/mode_options"):
         assert "max_autotune" in torch_inductor.option_names()
+        assert {"default", "lite", "reduce-overhead", "max-autotune"} <= set(torch_inductor.mode_names())
         assert torch_inductor.mode_options("max-autotune-no-cudagraphs", None).get("max_autotune") is True
 
 
