@@ -114,7 +114,14 @@ class CompileConfig:
                 "ddp='split' register DDP's fp16_compress_hook/bf16_compress_hook on the DDP object instead"
             )
         # Validates mode/options names now rather than at the first compile.
-        self.inductor_settings()
+        patches = self.inductor_settings().config_patches() if self.backend == "inductor" else {}
+        if self.ddp == "in_graph" and patches.get("fallback_by_default") and patches.get("selective_decompose"):
+            raise ValueError(
+                f"mode={self.mode!r}/options={self.options!r} with ddp='in_graph': Inductor's lite settings "
+                "(fallback_by_default with selective_decompose) compile a backward without our all-reduces (torch "
+                "2.13: the ranks' gradients differed after one step); use them with ddp='split', or ddp='in_graph' "
+                "without them"
+            )
         why = torch_blocker(self.ddp, self.backend_name, nested_regions=self.nested_regions)
         if why is not None:
             others = [m for m in DDP_MODES if m != self.ddp and torch_blocker(m, self.backend_name) is None]

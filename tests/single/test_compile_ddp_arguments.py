@@ -26,6 +26,13 @@ pytestmark = pytest.mark.usefixtures("pg")
         ({"backend": "inductr"}, ValueError, "backend='inductr'"),
         ({"backend": "aot_eager", "mode": "max-autotune"}, ValueError, "only apply to backend='inductor'"),
         ({"mode": "turbo"}, ValueError, "mode='turbo'"),
+        # lite mode's backend left the gradients un-reduced on 2 ranks (a silent wrong average)
+        ({"ddp": "in_graph", "mode": "lite"}, ValueError, "mode='lite'.*ddp='in_graph'"),
+        (
+            {"ddp": "in_graph", "options": {"fallback_by_default": True, "selective_decompose": True}},
+            ValueError,
+            "ddp='in_graph'.*selective_decompose",
+        ),
         ({"options": {"no_such_option": 1}}, ValueError, "no_such_option"),
     ],
 )
