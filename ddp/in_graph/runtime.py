@@ -32,7 +32,9 @@ Algorithm, per forward of the DDP model:
     rank 0) must not wait for the others. In steady state nothing is exchanged and nothing is probed.
   * a hook on the forward's outputs queues one end-of-backward callback: it reduces what the graphs
     did not reduce alone (ddp/in_graph/leftovers.py) and puts back accumulated gradients no graph
-    consumed.
+    consumed. After a step whose graphs the ranks agreed on anew, it also checks, through the store,
+    that the gradients the graphs reduced are the same on every rank (`GraphsAgreement.check_reduced`):
+    a compile that lost the inserted all-reduces stops the job there instead of training every rank alone.
 
 Notes: a parameter used by several graphs, or by a graph and eager code, is reduced after the
 backward (found by the probe; later graphs leave it out of their buckets). Ranks that would pair
@@ -114,6 +116,7 @@ class InGraphReducer:
         self._covered: list[frozenset[int]] = []  # param ids reduced in-graph, per graph run this step
         self._consumed: set[int] = set()  # param ids whose gradient a hook used up in this step's backward
         self._graphs_run = GraphsAgreement(agreement)  # the graphs every rank ran, as last agreed
+        self._agreed_now = False  # the ranks exchanged on this step's graphs: check the reduction after it
         self._signature: tuple = ()  # the graphs this rank's last synchronising forward ran
         self._compiled_this_step = False  # a compile may keep other ranks busy: wait longer for them
         self._seen_variants: set[str] = set()
@@ -235,7 +238,7 @@ class InGraphReducer:
             # The backward begins and no compiled graph's backward (none of its collectives) has run yet:
             # the ranks agree on the graphs here, where eager DDP synchronises too, and not after the
             # forward, which some ranks may run alone (evaluation on rank 0, with or without gradients).
-            self._graphs_run.agree(self._signature, compiled_this_step=self._compiled_this_step)
+            self._agreed_now = self._graphs_run.agree(self._signature, compiled_this_step=self._compiled_this_step)
             if not self.accumulate_in_graph:
                 # The backward begins (no compiled graph has run yet): a gradient already held here
                 # was accumulated (and not zeroed since the forward); autograd adds this step's
@@ -430,3 +433,8 @@ class InGraphReducer:
         leftovers = [p for p in self.params if id(p) not in covered or id(p) in self.after or id(p) in had]
         self.last_leftovers = self._leftovers.reduce(leftovers, self.reduction.wire_dtype)
         self.grads_kept = sum(p.grad is not None for p in self.params)
+        if self._agreed_now:
+            self._agreed_now = False
+            self._graphs_run.check_reduced(
+                [(self.names.get(id(p), "?"), p.grad) for p in self.params if id(p) in covered]
+            )

@@ -134,6 +134,38 @@ class GraphsAgreement:
         self.agreed = signature
         return True
 
+    def check_reduced(self, grads: list[tuple[str, torch.Tensor | None]]) -> None:
+        """After the backward of a step whose graphs the ranks just agreed on: the gradients (user name, `.grad`)
+        the graphs reduced are the same on every rank, else raise on every rank.
+
+        A compile that leaves the inserted all-reduces out of the backward it builds (Inductor's lite settings
+        did, while the report named each bucket's all-reduce) would otherwise train every rank on its own
+        gradient, silently. One store exchange of two sums per gradient, only when the graphs change (the first
+        step, a new branch, a recompile), never in steady state.
+        """
+        present = [(name, g.detach()) for name, g in grads if g is not None]
+        pairs = [torch.stack([g.double().sum(), g.double().abs().sum()]) for _, g in present]
+        sums = torch.stack(pairs).tolist() if pairs else []  # one device sync; every rank exchanges, even empty
+        mine = dict(zip([name for name, _ in present], sums))
+        for rank, theirs in self.agreement.exchange("reduced gradients", mine).items():
+            apart = [n for n, pair in theirs.items() if n in mine and not _same_sums(mine[n], pair)]
+            if apart:
+                name = apart[0]
+                raise RuntimeError(
+                    f"ddp='in_graph': after the compiled backward, the gradients of {apart[:5]} differ between rank "
+                    f"{self.agreement.rank} and rank {rank} ({name}: sum {mine[name][0]:.6g} against "
+                    f"{theirs[name][0]:.6g}): the compiled backward did not all-reduce them, and each rank would "
+                    "train its own model. Compile settings that drop the graph's collectives do this (Inductor's "
+                    "lite mode, a backend of your own that rebuilds the graph); use ddp='split' with them"
+                )
+
+
+def _same_sums(a: list[float], b: list[float]) -> bool:
+    # Every rank receives the same all-reduce result, so the sums agree to the bit; the slack only keeps a
+    # backend that sums in another order from stopping a run.
+    scale = 1e-6 * max(a[1], b[1]) + 1e-30
+    return abs(a[0] - b[0]) <= scale and abs(a[1] - b[1]) <= scale
+
 
 def describe_signature(signature: Signature) -> str:
     """The graphs of a signature, for people (in a mismatch error)."""

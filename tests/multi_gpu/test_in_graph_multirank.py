@@ -273,3 +273,28 @@ def test_no_sync_accumulation_reduces_once_per_update_without_recompiling(result
     # and reduced after the backward, so the sync step runs the plain reducing variant
     assert sorted(g["variant"] for g in report["graphs"]) == ["local", "reduce"], report["graphs"]
     assert report["recompiles"] == []
+
+
+@torch.library.custom_op("ddp_compile_tests::dropped_all_reduce", mutates_args=())
+def dropped_all_reduce(tensor: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    """A backend that loses the collective: the bucket's own values come back, not the ranks' sum."""
+    return tensor.clone()
+
+
+@dropped_all_reduce.register_fake
+def _(tensor: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+def _with_all_reduces_dropped(rank: int, world_size: int) -> dict:
+    from ddp.in_graph import graph_pass
+
+    graph_pass._all_reduce = torch.ops.ddp_compile_tests.dropped_all_reduce.default
+    return _train(rank, lambda: mlp(3))
+
+
+def test_a_compiled_backward_that_lost_its_all_reduces_stops_the_job_after_the_first_step():
+    """Inductor's lite settings compiled a backward without our all-reduces while the report named them; any
+    compile that loses them must stop the job on every rank, naming the gradients, not train each rank alone."""
+    with pytest.raises(RuntimeError, match=r"gradients of \['0.weight'.* differ between rank \d and rank \d"):
+        run_ranks(_with_all_reduces_dropped, world_size=2, timeout=200)
