@@ -298,75 +298,67 @@ class InGraphReducer:
         """Compile one graph in the current variant; returns (callable for Dynamo, plan or None)."""
         self._compiled_this_step = True
         with self.agreement.busy():  # a rank waiting for this one in `GraphsAgreement.agree` waits on
-            return self._compile(gm, example_inputs, name, compile_piece, on_partitioned)
-
-    def _compile(
-        self,
-        gm: fx.GraphModule,
-        example_inputs: list,
-        name: str,
-        compile_piece: CompileFn,
-        on_partitioned: Callable[[list[str]], None],
-    ) -> tuple[Callable[..., Any], GradBucketPlan | None]:
-        variant = self.variant
-        if variant == "local":
-            compiled, _ = compile_piece(gm, list(example_inputs), name)
-            return compiled, None
-        plan = graph_buckets(
-            gm,
-            example_inputs,
-            names=self.names,
-            ignored=self.ignored,
-            ours=self._by_id,
-            after=self.after,
-            caps=self.caps,
-        )
-        original = gm
-        graph_inputs = GraphInputs(example_inputs)
-        inputs = graph_inputs.examples
-        accumulated: dict[int, int] = {}
-        if accumulates(variant):
-            for i in sorted(plan.input_indices()):
-                accumulated[i] = graph_inputs.add(
-                    torch.zeros_like(inputs[i]), lambda p=inputs[i]: self._take_accumulated(p)
-                )
-        hook = self._hook_for(name, gm, graph_inputs, plan) if hooked(variant) else HookedGraph(None)
-        produce = graph_inputs.produce if graph_inputs.added else None  # the extra inputs of each run
-        if produce is not None:
-            names = [f"ddp_compile_input_{k}" for k in range(graph_inputs.added)]
-            pinned = [k for k, fixed in enumerate(graph_inputs.fixed_address) if fixed]
-            gm = with_extra_inputs(gm, names, fixed_address=pinned)
-        partitioner = InGraphPartitioner(
-            plan,
-            group_name=self.group_name,
-            world_size=self.world_size,
-            wire_dtype=self.reduction.wire_dtype,
-            accumulated_input_of=accumulated,
-            after_reduce=hook.after_reduce,
-            on_partitioned=on_partitioned,
-        )
-        compiled, used_aot = compile_piece(gm, inputs, name, partitioner=partitioner)
-        if not used_aot:
-            # No AOT backward to put collectives in (the graph runs eagerly): its gradients are
-            # reduced after the backward. Say so: the user asked for reduction inside the backward.
-            reason = "the graph fell back to eager (no compiled backward to hold its all-reduces)"
-            self.fallbacks.append({"graph": name, "reason": reason})
-            log.warning(
-                "compile_core: ddp='in_graph': %s: %s; its gradients are all-reduced after the backward", name, reason
+            variant = self.variant
+            if variant == "local":
+                compiled, _ = compile_piece(gm, list(example_inputs), name)
+                return compiled, None
+            plan = graph_buckets(
+                gm,
+                example_inputs,
+                names=self.names,
+                ignored=self.ignored,
+                ours=self._by_id,
+                after=self.after,
+                caps=self.caps,
             )
-            return inline_nested_regions(original).forward, None
-        entry = (tuple(b.params for b in plan.buckets), str(self.reduction.wire_dtype))
-        covered = frozenset(id(inputs[i]) for i in plan.input_indices())
-        consumed = frozenset(id(inputs[i]) for i in hook.consumed)
-
-        def run(*args: Any) -> Any:
+            original = gm
+            graph_inputs = GraphInputs(example_inputs)
+            inputs = graph_inputs.examples
+            accumulated: dict[int, int] = {}
+            if accumulates(variant):
+                for i in sorted(plan.input_indices()):
+                    accumulated[i] = graph_inputs.add(
+                        torch.zeros_like(inputs[i]), lambda p=inputs[i]: self._take_accumulated(p)
+                    )
+            hook = self._hook_for(name, gm, graph_inputs, plan) if hooked(variant) else HookedGraph(None)
+            produce = graph_inputs.produce if graph_inputs.added else None  # the extra inputs of each run
             if produce is not None:
-                args = (*args, *produce())
-            out = compiled(*args)
-            self._runs.append((entry, covered, consumed, out))
-            return out
+                names = [f"ddp_compile_input_{k}" for k in range(graph_inputs.added)]
+                pinned = [k for k, fixed in enumerate(graph_inputs.fixed_address) if fixed]
+                gm = with_extra_inputs(gm, names, fixed_address=pinned)
+            partitioner = InGraphPartitioner(
+                plan,
+                group_name=self.group_name,
+                world_size=self.world_size,
+                wire_dtype=self.reduction.wire_dtype,
+                accumulated_input_of=accumulated,
+                after_reduce=hook.after_reduce,
+                on_partitioned=on_partitioned,
+            )
+            compiled, used_aot = compile_piece(gm, inputs, name, partitioner=partitioner)
+            if not used_aot:
+                # No AOT backward to put collectives in (the graph runs eagerly): its gradients are
+                # reduced after the backward. Say so: the user asked for reduction inside the backward.
+                reason = "the graph fell back to eager (no compiled backward to hold its all-reduces)"
+                self.fallbacks.append({"graph": name, "reason": reason})
+                log.warning(
+                    "compile_core: ddp='in_graph': %s: %s; its gradients are all-reduced after the backward",
+                    name,
+                    reason,
+                )
+                return inline_nested_regions(original).forward, None
+            entry = (tuple(b.params for b in plan.buckets), str(self.reduction.wire_dtype))
+            covered = frozenset(id(inputs[i]) for i in plan.input_indices())
+            consumed = frozenset(id(inputs[i]) for i in hook.consumed)
 
-        return run, plan
+            def run(*args: Any) -> Any:
+                if produce is not None:
+                    args = (*args, *produce())
+                out = compiled(*args)
+                self._runs.append((entry, covered, consumed, out))
+                return out
+
+            return run, plan
 
     def _hook_for(self, name: str, gm: fx.GraphModule, inputs: GraphInputs, plan: GradBucketPlan) -> HookedGraph:
         """What the step's hook does in this graph (it may add inputs); remembered for `step_outcome`."""
