@@ -113,15 +113,28 @@ class GraphsAgreement:
                 "graphs run", signature, describe=describe_signature, timeout_s=timeout_s, busy_up_to_s=busy_up_to_s
             )
         except RankTimeoutError as err:
-            if not mid_run or err.compiling:
+            if self.agreed is None or err.compiling:
                 raise
+            # The ranks it waits for may have run the graphs agreed before, which they need not agree on
+            # again: they wait in those graphs' all-reduces for this rank, which waits here for them.
+            if mid_run:
+                why = (
+                    "they did not compile what this rank compiled at this step: they run the graphs agreed "
+                    "before, whose all-reduces wait for this rank. Make the change that recompiled on every rank "
+                    "(register a module hook that breaks the graph, such as one calling .item() or printing a "
+                    "tensor, on every rank, or keep it free of graph breaks), or use ddp='split'"
+                )
+            else:
+                why = (
+                    "they ran the graphs agreed before and wait in their all-reduces for this rank, which ran "
+                    f"other graphs ({describe_signature(signature)}; agreed before: "
+                    f"{describe_signature(self.agreed)}) without compiling anything: control flow on this rank's "
+                    "data (experts that receive no tokens on some ranks, a branch on a tensor's value) chose other "
+                    "parameters. ddp='in_graph' needs the same graphs on every rank at every step; use "
+                    "ddp='split' (DDP's reducer, with find_unused_parameters=True for parameters some ranks skip)"
+                )
             raise RankTimeoutError(
-                f"{err}\nddp='in_graph': if the ranks it waits for are alive, they did not compile what this rank "
-                "compiled at this step: they run the graphs agreed before, whose all-reduces wait for this rank. "
-                "Make the change that recompiled on every rank (register a module hook that breaks the graph, such "
-                "as one calling .item() or printing a tensor, on every rank, or keep it free of graph breaks), or "
-                "use ddp='split'",
-                compiling=err.compiling,
+                f"{err}\nddp='in_graph': if the ranks it waits for are alive, {why}", compiling=err.compiling
             ) from None
         except RankMismatchError as err:
             # Raised on every rank, before any of this step's collectives: nothing hangs.

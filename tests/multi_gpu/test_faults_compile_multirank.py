@@ -41,6 +41,9 @@ RANK_SCRIPT = textwrap.dedent(
             self.a, self.b, self.c, self.d = (nn.Linear(32, 32) for _ in range(4))
 
         def forward(self, x):
+            if self.fault == "data_branch":  # which layer runs depends on the data (as experts in an MoE)
+                h = torch.tanh(self.b(torch.tanh(self.a(x))))
+                return torch.tanh(self.c(h)) if x[0, 0] > 0 else torch.tanh(self.d(h))
             x = torch.tanh(self.b(torch.tanh(self.a(x))))
             if self.fault in ("graph_break", "compile_error") and rank == 1:
                 torch._dynamo.graph_break()  # this rank only (outside a loop: Dynamo resumes after it)
@@ -51,7 +54,8 @@ RANK_SCRIPT = textwrap.dedent(
         torch.manual_seed(0)
         model = Net(fault)
         ref = copy.deepcopy(model)
-        ddp, ref_ddp = DDP(model, bucket_cap_mb=0.005), DDP(ref, bucket_cap_mb=0.005)
+        unused = fault == "data_branch"
+        ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.005, find_unused_parameters=unused) for m in (model, ref))
         kwargs = {"backend": backend, "ddp": mode}
         if fault == "bad_argument" and rank == 1:
             kwargs["bucket_cap_mb"] = -1  # this rank only
@@ -68,6 +72,8 @@ RANK_SCRIPT = textwrap.dedent(
             batch = 6 if (fault == "recompile" and rank == 1 and step >= 2) else 4  # new size, this rank only
             g = torch.Generator().manual_seed(100 * step + rank)
             x = torch.randn(batch, 32, generator=g)
+            if fault == "data_branch":  # layer c at step 0, d at step 1 (both ranks), then c on rank 0 only
+                x[:, 0] = 1.0 if step == 0 or (step == 2 and rank == 0) else -1.0
             for run, o in ((compiled, opt), (ref_ddp, ref_opt)):
                 run(x).square().mean().backward()
                 o.step()
@@ -201,6 +207,20 @@ def test_in_graph_mode_ends_soon_when_a_hook_on_one_rank_breaks_its_graph_mid_ru
     line = _failed_line(res.stderr)
     assert "RankTimeoutError" in line and "rank(s) [0] did not reach 'graphs run'" in line, line
     assert "started or ended no compile" in line, line
+    assert "RESULT" not in res.stdout  # nothing trained past the divergence
+    assert seconds < 200, f"{seconds:.1f} s"
+
+
+@pytest.mark.timeout(300)
+def test_in_graph_mode_ends_soon_naming_the_cause_when_the_data_picks_other_layers_on_one_rank(job):
+    # Step 2: rank 0's data takes the branch both ranks compiled at step 0, rank 1's the one agreed at step 1.
+    # Nothing compiles; rank 1 runs the agreed graphs and waits in their all-reduces, rank 0 waits for rank 1
+    # to agree on its changed graphs, and must say why after DDP_COMPILE_TIMEOUT_S (30 s here), not just "stuck".
+    res, seconds = job("data_branch", "in_graph", first_timeout_s=200, timeout=280)
+    assert res.returncode == 1, res.stdout[-2000:]
+    line = _failed_line(res.stderr)
+    assert "RankTimeoutError" in line and "rank(s) [1] did not reach 'graphs run'" in line, line
+    assert "without compiling anything" in res.stderr and "use ddp='split'" in res.stderr, res.stderr[-3000:]
     assert "RESULT" not in res.stdout  # nothing trained past the divergence
     assert seconds < 200, f"{seconds:.1f} s"
 
