@@ -59,11 +59,13 @@ def compile(
     reuse_pieces: bool = True,
     reduce_dtype: torch.dtype | None = None,
     nested_regions: bool = False,
+    disable: bool = False,
 ) -> "CompiledModel":
     """Compile `model` (a DDP model or a plain module) in place and return it; see docs/design.md.
 
     The result is `model` itself: its attributes, `.module`, `state_dict()` and `isinstance` checks are the
-    ones the script had; `model.report()` and `model.compile_state` are added."""
+    ones the script had; `model.report()` and `model.compile_state` are added. `disable=True` (torch.compile's
+    switch, as in `disable=not args.compile`) checks the arguments and returns `model` untouched."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"model must be a torch.nn.Module (or DistributedDataParallel), got {type(model).__name__}; "
@@ -88,6 +90,10 @@ def compile(
         reduce_dtype=reduce_dtype,
         nested_regions=nested_regions,
     )
+    if not isinstance(disable, bool):
+        raise TypeError(f"disable={disable!r}: pass True (compile nothing) or False, as to torch.compile")
+    if disable:
+        return model
     state = CompileState(model, config)
     compile_in_place(model, state)
     return model

@@ -43,6 +43,19 @@ def test_bad_input_is_rejected_before_compiling(kwargs, exc, match):
     assert getattr(model.module, "_compiled_call_impl", None) is None
 
 
+def test_disable_returns_the_model_untouched_after_checking_the_arguments():
+    # torch.compile's switch, which scripts pass as disable=not args.compile
+    model = DDP(mlp(1))
+    assert compile_core.compile(model, backend="aot_eager", disable=True) is model
+    assert getattr(model.module, "_compiled_call_impl", None) is None and not hasattr(model, "report")
+    with pytest.raises(ValueError, match="ddp='fast'"):
+        compile_core.compile(model, ddp="fast", disable=True)
+    with pytest.raises(TypeError, match="disable='yes'"):
+        compile_core.compile(model, disable="yes")
+    compiled = compile_core.compile(model, backend="aot_eager", disable=False)
+    assert compiled is model and model.report() is not None
+
+
 def test_torch_mode_needs_a_ddp_model():
     with pytest.raises(ValueError, match="ddp='torch'.*needs a DDP model"):
         compile_core.compile(mlp(1), ddp="torch")
