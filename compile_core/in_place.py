@@ -12,6 +12,7 @@ as nothing (`Detached`).
 
 from __future__ import annotations
 
+import copyreg
 import logging
 from typing import Any, Callable
 
@@ -75,6 +76,9 @@ def _reduce_as_base(self: Any, protocol: int) -> Any:
     base = next(c for c in type(self).__mro__[1:] if c is not CompiledModel and not issubclass(c, CompiledModel))
     if len(rv) > 1 and rv[1] and rv[1][0] is type(self):
         rv[1] = (base, *rv[1][1:])
+        # pickle refuses copyreg's __newobj__ with a class other than the object's own: rebuild through
+        # an equivalent of ours (copy.deepcopy does not check, and takes either)
+        rv[0] = {copyreg.__newobj__: _new_object, copyreg.__newobj_ex__: _new_object_ex}.get(rv[0], rv[0])
     if len(rv) > 2 and isinstance(rv[2], dict):
         rv[2] = {k: v for k, v in rv[2].items() if k != _STATE_ATTR}
     return tuple(rv)
@@ -101,6 +105,14 @@ class Detached:
 
     def __reduce__(self) -> Any:
         return (_return, (self.copied_as,))
+
+
+def _new_object(cls: type, *args: Any) -> Any:
+    return cls.__new__(cls, *args)
+
+
+def _new_object_ex(cls: type, args: tuple, kwargs: dict) -> Any:
+    return cls.__new__(cls, *args, **kwargs)
 
 
 def _return(value: Any) -> Any:

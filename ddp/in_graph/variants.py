@@ -63,14 +63,36 @@ def guard_variant_in(module: torch.nn.Module, holder: Any) -> None:
     in all of them. Each submodule's call reads it in a pre-hook (Dynamo inlines the hook, so
     compiled code pays nothing; eager code pays one Python call per module call).
     """
+    read = VariantRead(holder)
+    for sub in module.modules():
+        sub.register_forward_pre_hook(read)
 
-    def read_variant(mod: torch.nn.Module, args: Any) -> None:
-        if holder.variant == "local":  # the comparison makes Dynamo guard on the value
+
+class VariantRead:
+    """The pre-hook of `guard_variant_in`. A copy of the module (`copy.deepcopy`, `torch.save(model)`) gets a
+    no-op hook in its place, never the reducer (which holds process groups and cannot be pickled)."""
+
+    def __init__(self, holder: Any) -> None:
+        self.holder = holder
+
+    def __call__(self, mod: torch.nn.Module, args: Any) -> None:
+        if self.holder.variant == "local":  # the comparison makes Dynamo guard on the value
             return None
         return None
 
-    for sub in module.modules():
-        sub.register_forward_pre_hook(read_variant)
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _no_op_pre_hook
+
+    def __reduce__(self) -> Any:
+        return (_no_op_pre_hook_again, ())
+
+
+def _no_op_pre_hook(mod: torch.nn.Module, args: Any) -> None:
+    return None
+
+
+def _no_op_pre_hook_again() -> Any:
+    return _no_op_pre_hook
 
 
 Signature = tuple

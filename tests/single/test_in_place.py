@@ -76,27 +76,43 @@ def test_no_sync_and_join_are_ddps_own():
     assert compiled.report().graphs
 
 
-def test_a_copy_of_the_model_is_the_eager_model():
+def _ours(module: nn.Module) -> list:
+    """What of ours a module's hooks and compiled call hold (their classes come from our packages)."""
+    found = [getattr(module, "_compiled_call_impl", None)]
+    for sub in module.modules():
+        found += [*sub._forward_pre_hooks.values(), *sub._forward_hooks.values()]
+    return [f for f in found if f is not None and type(f).__module__.split(".")[0] in ("compile_core", "ddp")]
+
+
+@pytest.mark.parametrize("mode", ["split", "in_graph"])
+def test_a_copy_of_the_model_is_the_eager_model(mode):
     ddp = DDP(WithMethods())
-    compiled = compile_core.compile(ddp, backend="aot_eager", bucket_cap_mb=0.001)
+    compiled = compile_core.compile(ddp, backend="aot_eager", bucket_cap_mb=0.001, ddp=mode)
     compiled(x16(0)).sum().backward()
     calls = compiled.compile_state._calls
     # An EMA or evaluation copy of the user's model: its forward is the eager module's, and it never runs
     # our hooks or touches the compiled model's state.
     ema = copy.deepcopy(compiled.module)
-    assert type(ema) is WithMethods and getattr(ema, "_compiled_call_impl", None) is None
+    assert type(ema) is WithMethods and getattr(ema, "_compiled_call_impl", None) is None and not _ours(ema)
     torch.testing.assert_close(ema(x16(1)), compiled.module(x16(1)))
     buf = io.BytesIO()
     torch.save(compiled.module, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    assert type(loaded) is WithMethods and getattr(loaded, "_compiled_call_impl", None) is None
+    assert type(loaded) is WithMethods and getattr(loaded, "_compiled_call_impl", None) is None and not _ours(loaded)
     torch.testing.assert_close(loaded(x16(2)), ema(x16(2)))
     assert compiled.compile_state._calls == calls  # the copies ran none of our hooks
-    # The DDP object itself: a copy is a plain DDP object of the user's class.
+    # The DDP object itself (`torch.save(model, path)` of the object the script got back): a copy is a plain
+    # DDP object of the user's class.
     plain = copy.deepcopy(compiled)
-    assert type(plain) is DDP and not isinstance(plain, compile_core.CompiledModel)
-    torch.testing.assert_close(plain(x16(3)), compiled(x16(3)))
+    buf = io.BytesIO()
+    torch.save(compiled, buf)
+    buf.seek(0)
+    unpickled = torch.load(buf, weights_only=False)
+    for copied in (plain, unpickled):
+        assert type(copied) is DDP and not isinstance(copied, compile_core.CompiledModel)
+        assert not _ours(copied.module)
+        torch.testing.assert_close(copied(x16(3)), compiled(x16(3)))
 
 
 def test_a_plain_module_keeps_its_own_report_method():
