@@ -15,11 +15,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -106,14 +110,73 @@ def has_gradient_hooks(param: torch.Tensor) -> bool:
     return bool(getattr(param, "_backward_hooks", None)) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
 
 
+_REDUCER_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""DDP object -> (parameters, sparse flags) its own reducer was built with (see `reducer_params`)."""
+
+
 def reducer_params(ddp: DistributedDataParallel) -> tuple[list[torch.nn.Parameter], list[bool]]:
     """The parameters DDP's reducer indexes, in its order, and their sparse-gradient flags.
 
-    Mirrors `DistributedDataParallel._build_params_for_reducer` (distributed.py): bucket layouts
-    given to a `Reducer` are lists of indices into exactly this list.
+    Mirrors `DistributedDataParallel._build_params_for_reducer` (distributed.py) as DDP ran it when it
+    built its reducer: bucket layouts given to a `Reducer` are lists of indices into exactly this list.
+    Running that method later drops a parameter frozen since (`requires_grad_(False)` after wrapping), which
+    DDP's reducer still holds and reduces once the script unfreezes it (a fine-tuning schedule). So the first
+    call checks the count against the one DDP logged when it built its reducer (`num_parameter_tensors`)
+    and, where they differ, reads the parameters from the reducer's buckets; every later call returns the same
+    list (the reducers we install in place of DDP's reduce the same parameters).
     """
-    params, expect_sparse = ddp._build_params_for_reducer()
-    return list(params), list(expect_sparse)
+    known = _REDUCER_PARAMS.get(ddp)
+    if known is None:
+        params, sparse = ddp._build_params_for_reducer()
+        built_with = ddp._get_ddp_logging_data().get("num_parameter_tensors")
+        if built_with is not None and built_with != len(params):
+            params, sparse = _params_in_buckets(ddp, list(params), list(sparse))
+        known = _REDUCER_PARAMS[ddp] = (list(params), list(sparse))
+    return list(known[0]), list(known[1])
+
+
+def _params_in_buckets(
+    ddp: DistributedDataParallel, now: list[torch.nn.Parameter], sparse_now: list[bool]
+) -> tuple[list[torch.nn.Parameter], list[bool]]:
+    """The parameters in the buckets of DDP's reducer (`Reducer::get_grad_buckets` with zeros: a moment's
+    allocation of the gradients' bytes), in `_build_params_for_reducer`'s order."""
+    try:
+        held = {id(p) for bucket in ddp.reducer._get_zeros_like_grad_buckets() for p in bucket.parameters()}
+    except RuntimeError as err:  # a sparse gradient's bucket has no flat buffer to copy
+        log.warning(
+            "ddp: some parameters' requires_grad changed after DDP wrapped the model, and its reducer's buckets "
+            "cannot be read (%s): a parameter frozen after wrapping and unfrozen later will not be reduced; "
+            "freeze parameters before wrapping the model in DDP",
+            err,
+        )
+        return now, sparse_now
+    owners: dict[int, tuple[torch.nn.Module, torch.nn.Parameter]] = {}
+    for module in ddp.module.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in held:
+                owners.setdefault(id(param), (module, param))  # a shared parameter: its first module
+    return [p for _, p in owners.values()], [_sparse_gradient(m) for m, _ in owners.values()]
+
+
+def reducer_param_names(ddp: DistributedDataParallel, params: list[torch.nn.Parameter]) -> dict[int, str]:
+    """Index in `params` -> the parameter's name in the wrapped module, the `param_to_name_mapping` a `Reducer`
+    takes. Mirrors `DistributedDataParallel._build_debug_param_to_name_mapping` (distributed.py), which
+    refuses a parameter frozen since DDP built its reducer (it reads `requires_grad` now; see `reducer_params`)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    names: dict[int, str] = {}
+    for module_name, module in ddp.module.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in index:
+                names.setdefault(index[id(param)], f"{module_name}.{param_name}")
+    if len(names) != len(params):
+        missing = [i for i in range(len(params)) if i not in names]
+        raise ValueError(f"ddp: parameters {missing} of the reducer are not in the wrapped module")
+    return names
+
+
+def _sparse_gradient(module: torch.nn.Module) -> bool:
+    # `produces_sparse_gradient` inside `_build_params_for_reducer` (distributed.py)
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and bool(module.sparse)
 
 
 def reducer_bucket_elements(ddp: DistributedDataParallel) -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp.torch_ddp import comm_hooks, reducer_params
+from ddp.torch_ddp import comm_hooks, reducer_param_names, reducer_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ def install_reducer(
     sparse = [expect_sparse[i] for i in order] if expect_sparse else []
     sizes = [_bucket_bytes(ordered, b) for b in new_layout]
     reducer, logger = _new_reducer(
-        ddp, ordered, new_layout, sizes, caps or sizes, sparse, ddp._build_debug_param_to_name_mapping(ordered)
+        ddp, ordered, new_layout, sizes, caps or sizes, sparse, reducer_param_names(ddp, ordered)
     )
     # With find_unused_parameters the reducer never rebuilds: the layout is already final.
     frozen = ddp.find_unused_parameters or caps is not None
@@ -148,22 +148,32 @@ def _new_reducer(
     # batched_grad_copy is a DDP option of torch 2.13 (its Reducer keyword came with it): passed where
     # this DDP has it, so older builds (the GPU machines lent here have 2.11) build the same Reducer.
     newer = {"batched_grad_copy": ddp.batched_grad_copy} if hasattr(ddp, "batched_grad_copy") else {}
-    reducer = dist.Reducer(
-        params=list(params),
-        bucket_indices=[list(b) for b in bucket_indices],
-        per_bucket_size_limits=list(bucket_bytes),
-        process_group=ddp.process_group,
-        expect_sparse_gradients=list(sparse),
-        bucket_bytes_cap=cap,
-        find_unused_parameters=ddp.find_unused_parameters,
-        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-        param_to_name_mapping=names,
-        first_bucket_bytes_cap=first_cap,
-        skip_all_reduce_unused_params=getattr(ddp, "skip_all_reduce_unused_params", False),
-        use_python_reducer=False,
-        bucket_bytes_cap_list=list(caps),
-        **newer,
-    )
+    # The constructor hooks each parameter's AccumulateGrad node, which a parameter frozen since DDP wrapped
+    # it has not got (the process dies in the constructor): it requires grad while the reducer is built, as
+    # when DDP built its own. The reducer keeps the node, and the parameter finds it again once unfrozen.
+    frozen = [p for p in params if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        reducer = dist.Reducer(
+            params=list(params),
+            bucket_indices=[list(b) for b in bucket_indices],
+            per_bucket_size_limits=list(bucket_bytes),
+            process_group=ddp.process_group,
+            expect_sparse_gradients=list(sparse),
+            bucket_bytes_cap=cap,
+            find_unused_parameters=ddp.find_unused_parameters,
+            gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+            param_to_name_mapping=names,
+            first_bucket_bytes_cap=first_cap,
+            skip_all_reduce_unused_params=getattr(ddp, "skip_all_reduce_unused_params", False),
+            use_python_reducer=False,
+            bucket_bytes_cap_list=list(caps),
+            **newer,
+        )
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
     logger = dist.Logger(reducer)
     reducer.set_logger(logger)
     logger.set_construction_data_and_log(

@@ -154,6 +154,21 @@ def _unfreezing(rank: int, *, pattern: str, mode: str) -> dict:
     return run_against_eager(script, rank, how="train_step", ddp=mode, bucket_cap_mb=CAP_MB)
 
 
+def _frozen_after_wrapping(rank: int, *, mode: str) -> dict:
+    """The first layer, trainable when DDP is built and frozen right after (so DDP's reducer holds it), trains
+    again from update 3 on; find_unused_parameters=True, as eager DDP needs for the frozen updates."""
+    script = Script(
+        make_model=Headed,
+        data=regression_data,
+        steps=4,
+        make_opt=lambda m: OPTIMIZERS["adamw"](m.parameters()),
+        setup=lambda ddp: ddp.module.body[0].requires_grad_(False),
+        before_step=unfreeze_at_update_3,
+        ddp_kwargs={"find_unused_parameters": True},
+    )
+    return run_against_eager(script, rank, how="train_step", ddp=mode, bucket_cap_mb=CAP_MB)
+
+
 def _losing_state(rank: int, *, lose: Callable, mode: str) -> dict:
     """AdamW loses optimizer state before update 3 (`lose`: cleared, or a checkpoint without some loaded)."""
     make_opt = lambda m: OPTIMIZERS["adamw"](m.parameters())  # noqa: E731
@@ -187,6 +202,10 @@ SCENARIOS = {
     **{
         f"adamw_{pattern}_at_update_3_{mode}": functools.partial(_unfreezing, pattern=pattern, mode=mode)
         for pattern in ("unfrozen", "group_added")
+        for mode in ("split", "in_graph")
+    },
+    **{
+        f"adamw_frozen_after_wrapping_unfrozen_at_update_3_{mode}": functools.partial(_frozen_after_wrapping, mode=mode)
         for mode in ("split", "in_graph")
     },
     **{
@@ -307,6 +326,24 @@ def test_a_layer_unfrozen_after_update_2_is_updated_as_torch_updates_it(results,
     that required grad at update 1). DDP never reduces it (it was frozen when DDP was built), in eager too."""
     per_rank = ok(results, f"adamw_unfrozen_at_update_3_{mode}")
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6, not_reduced=FROZEN_UNTIL)
+    for r in per_rank:
+        for name in FROZEN_UNTIL:
+            assert not r["params"][name].equal(r["initial"][name]), f"{name} was never updated"
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(mode, marks=pytest.mark.scenarios(f"adamw_frozen_after_wrapping_unfrozen_at_update_3_{mode}"))
+        for mode in ("split", "in_graph")
+    ],
+)
+def test_a_layer_frozen_after_wrapping_and_unfrozen_later_is_reduced_as_ddp_reduces_it(results, mode):
+    """DDP's reducer holds a layer that required grad when DDP was built, frozen or not since: once unfrozen its
+    gradient is averaged. The reducer our split mode installs used to be built from the parameters requiring
+    grad at the swap, leaving that layer out: each rank then trained it on its own gradient, silently."""
+    per_rank = ok(results, f"adamw_frozen_after_wrapping_unfrozen_at_update_3_{mode}")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)  # every parameter identical on both ranks too
     for r in per_rank:
         for name in FROZEN_UNTIL:
             assert not r["params"][name].equal(r["initial"][name]), f"{name} was never updated"

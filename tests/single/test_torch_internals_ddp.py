@@ -115,14 +115,28 @@ def test_gradient_hooks_on_a_parameter_are_seen_until_removed():
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
-def test_reducer_params_are_the_trainable_parameters_in_order():
+def test_reducer_params_are_the_parameters_ddps_reducer_was_built_with_in_order():
     with canary("ddp/torch_ddp.py:reducer_params"):
-        ddp = two_layers()
-        ddp.module[0].bias.requires_grad_(False)
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+        module[1].bias.requires_grad_(False)  # frozen when DDP wraps it: DDP never reduces it
+        ddp = DDP(module)
+        expected = [p for p in module.parameters() if p.requires_grad]
+        module[2].weight.requires_grad_(False)  # frozen after: DDP's reducer holds it (and reduces it once unfrozen)
         params, sparse = torch_ddp.reducer_params(ddp)
-        expected = [p for p in ddp.module.parameters() if p.requires_grad]
         assert [id(p) for p in params] == [id(p) for p in expected]
         assert sparse == [False] * len(expected)
+        assert [id(p) for p in torch_ddp.reducer_params(ddp)[0]] == [id(p) for p in expected]  # the same later
+        assert len(ddp._build_params_for_reducer()[0]) == len(expected) - 1  # what DDP's own method says now
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_reducer_params_flag_sparse_gradients():
+    with canary("ddp/torch_ddp.py:reducer_params"):
+        ddp = DDP(nn.Sequential(nn.Embedding(10, 8, sparse=True), nn.Linear(8, 4)))
+        params, sparse = torch_ddp.reducer_params(ddp)
+        assert [id(p) for p in params] == [id(p) for p in ddp.module.parameters()]
+        assert sparse == [True, False, False]
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
