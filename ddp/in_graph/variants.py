@@ -84,14 +84,15 @@ class VariantRead:
         return _no_op_pre_hook
 
     def __reduce__(self) -> Any:
-        return (_no_op_pre_hook_again, ())
+        return (_unpickled_variant_read, ())
 
 
 def _no_op_pre_hook(mod: torch.nn.Module, args: Any) -> None:
     return None
 
 
-def _no_op_pre_hook_again() -> Any:
+def _unpickled_variant_read() -> Any:
+    # what unpickling a `VariantRead` gives (pickle stores this function's name, not the reducer)
     return _no_op_pre_hook
 
 
