@@ -197,18 +197,25 @@ def test_in_graph_mode_names_the_rank_whose_graph_break_changed_the_buckets(job)
     assert seconds < 60 + 30, f"{seconds:.1f} s"
 
 
+def _ended_waiting_for(missing: int, res, seconds: float) -> str:
+    """The job failed on a rank that waited for rank `missing` at the graphs agreement, well before the 200 s
+    compile timeout, and trained nothing past the divergence; returns the launcher's failure line."""
+    assert res.returncode == 1, res.stdout[-2000:]
+    line = _failed_line(res.stderr)
+    assert "RankTimeoutError" in line and f"rank(s) [{missing}] did not reach 'graphs run'" in line, line
+    assert "RESULT" not in res.stdout
+    assert seconds < 200, f"{seconds:.1f} s"
+    return line
+
+
 @pytest.mark.timeout(300)
 def test_in_graph_mode_ends_soon_when_a_hook_on_one_rank_breaks_its_graph_mid_run(job):
     # Rank 1 recompiles at step 2 (a new forward hook whose .item() breaks the graph) and waits for rank 0 to
     # agree on its new graphs; rank 0 compiled nothing and waits in its all-reduce. Rank 1 must not wait out the
     # long compile timeout (here 200 s) for a rank that is not compiling: it stops after DDP_COMPILE_TIMEOUT_S.
     res, seconds = job("late_hook", "in_graph", first_timeout_s=200, timeout=280)
-    assert res.returncode == 1, res.stdout[-2000:]
-    line = _failed_line(res.stderr)
-    assert "RankTimeoutError" in line and "rank(s) [0] did not reach 'graphs run'" in line, line
+    line = _ended_waiting_for(0, res, seconds)
     assert "started or ended no compile" in line, line
-    assert "RESULT" not in res.stdout  # nothing trained past the divergence
-    assert seconds < 200, f"{seconds:.1f} s"
 
 
 @pytest.mark.timeout(300)
@@ -217,12 +224,8 @@ def test_in_graph_mode_ends_soon_naming_the_cause_when_the_data_picks_other_laye
     # Nothing compiles; rank 1 runs the agreed graphs and waits in their all-reduces, rank 0 waits for rank 1
     # to agree on its changed graphs, and must say why after DDP_COMPILE_TIMEOUT_S (30 s here), not just "stuck".
     res, seconds = job("data_branch", "in_graph", first_timeout_s=200, timeout=280)
-    assert res.returncode == 1, res.stdout[-2000:]
-    line = _failed_line(res.stderr)
-    assert "RankTimeoutError" in line and "rank(s) [1] did not reach 'graphs run'" in line, line
+    _ended_waiting_for(1, res, seconds)
     assert "without compiling anything" in res.stderr and "use ddp='split'" in res.stderr, res.stderr[-3000:]
-    assert "RESULT" not in res.stdout  # nothing trained past the divergence
-    assert seconds < 200, f"{seconds:.1f} s"
 
 
 @pytest.mark.timeout(300)
