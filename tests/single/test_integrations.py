@@ -2,7 +2,7 @@
 named, options are validated, and canaries for the few framework internals the integrations lean on.
 
 The reductions themselves are proved on 2 ranks: tests/multi_gpu/test_lightning_multirank.py and
-tests/multi_gpu/test_accelerate_multirank.py.
+tests/multi_gpu/test_accelerate_multirank.py, tests/multi_gpu/test_hf_trainer_multirank.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from tests.multi_gpu.script_jobs import REPO
 
-FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate")
+FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "transformers")
 
 
 def test_the_core_imports_no_framework():
@@ -33,7 +33,7 @@ def test_the_core_imports_no_framework():
     assert out.stdout.strip() == "[]", f"importing compile_core imported {out.stdout.strip()}"
 
 
-@pytest.mark.parametrize("extra", ["lightning", "accelerate"])
+@pytest.mark.parametrize("extra", ["lightning", "accelerate", "transformers"])
 def test_a_missing_extra_is_named_in_the_import_error(monkeypatch, extra):
     monkeypatch.setitem(sys.modules, extra, None)  # what Python does for a package that is not installed
     monkeypatch.delitem(sys.modules, f"compile_core.integrations.{extra}", raising=False)
@@ -200,3 +200,66 @@ def test_accelerate_compile_refuses_an_accelerator_that_compiles_itself():
     )
     assert out.returncode == 0, out.stderr
     assert "refused:" in out.stdout and "dynamo_backend='INDUCTOR'" in out.stdout, out.stdout
+
+
+# ---- Hugging Face Trainer -------------------------------------------------------------------------
+
+transformers_ok = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
+    reason='needs the [transformers] extra (transformers and accelerate): pip install -e ".[transformers]"',
+)
+
+
+def _tiny_trainer(tmp_path, **overrides):
+    """A one-process Trainer of a 1-block GPT-2 on 8 seeded sequences (same weights on every call)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    tokens = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    args = dict(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
+        report_to=[], save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    return Trainer(model=model, args=TrainingArguments(**{**args, **overrides}), train_dataset=data)
+
+
+@transformers_ok
+def test_transformers_compile_checks_what_it_is_given(tmp_path):
+    import compile_core.integrations.transformers as integration
+
+    with pytest.raises(TypeError, match="transformers.Trainer"):
+        integration.compile(object())
+    trainer = _tiny_trainer(tmp_path)
+    with pytest.raises(TypeError, match="'bakend'"):
+        integration.compile(trainer, bakend="eager")
+    trainer.args.torch_compile = True  # as TrainingArguments(torch_compile=True) sets it
+    with pytest.raises(ValueError, match="torch_compile=False"):
+        integration.compile(trainer)
+    trainer.args.torch_compile = False
+    callback = integration.compile(trainer, backend="eager")
+    with pytest.raises(RuntimeError, match="trainer.train"):
+        callback.report()
+    with pytest.raises(ValueError, match="once per Trainer"):
+        integration.compile(trainer)
+
+
+@transformers_ok
+def test_transformers_trainer_runs_its_model_compiled(tmp_path):
+    import compile_core
+    import compile_core.integrations.transformers as integration
+
+    plain = _tiny_trainer(tmp_path / "plain")
+    plain.train()
+    trainer = _tiny_trainer(tmp_path / "ours")
+    callback = integration.compile(trainer, backend="eager")
+    trainer.train()
+    assert callback.model is trainer.model_wrapped and isinstance(trainer.model, compile_core.CompiledModel)
+    assert len(callback.report().graphs) >= 1
+    for (name, p), q in zip(trainer.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    compiled_before = callback.report().compile_seconds
+    trainer.train()  # a second train(): the Trainer keeps its model, and so do we
+    assert callback.model is trainer.model_wrapped
+    assert callback.report().compile_seconds == compiled_before
