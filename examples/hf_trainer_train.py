@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accum", type=int, default=2, help="micro-batches per update")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per micro-batch")
     p.add_argument("--layers", type=int, default=3, help="GPT-2 blocks (3: about 2.4 MB of parameters, 3 buckets)")
+    p.add_argument("--bf16", action="store_true", help="the Trainer's bf16 mixed precision (autocast)")
     p.add_argument("--out", type=Path, default=None, help="save parameters, report and checkpoint here")
     args = p.parse_args(argv)
 
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        bf16=args.bf16,
     )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     data = Tokens(args.steps * args.accum * args.batch * world)

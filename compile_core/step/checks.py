@@ -22,6 +22,17 @@ def check_inputs(
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__}: expected an nn.Module (e.g. your DDP-wrapped model)")
+    if (
+        isinstance(optimizer, (list, tuple))
+        and optimizer
+        and all(isinstance(o, torch.optim.Optimizer) for o in optimizer)
+    ):
+        names = ", ".join(type(o).__name__ for o in optimizer)
+        raise TypeError(
+            f"optimizer=[{names}]: train_step steps one optimizer; with several (Muon for the weight matrices and "
+            "AdamW for the rest, a GAN's two), compile the model with compile_core.compile(ddp_model) and step "
+            "them in your own loop, or use one optimizer whose param groups hold the different settings"
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer={type(optimizer).__name__}: expected a torch.optim.Optimizer, "

@@ -79,6 +79,9 @@ def test_optimizer_over_other_parameters_is_rejected(no_compile):
         train_step(model, other, F.mse_loss, backend=BACKEND)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         train_step(model, "adam", F.mse_loss, backend=BACKEND)
+    two = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(model.parameters())]
+    with pytest.raises(TypeError, match=r"optimizer=\[SGD, AdamW\]: train_step steps one.*compile_core\.compile"):
+        train_step(model, two, F.mse_loss, backend=BACKEND)
     sched = StepLR(other, step_size=1)
     own = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="lr_scheduler=StepLR does not drive this optimizer"):
