@@ -13,7 +13,8 @@ code runs between that and the first step except the callbacks. So `compile` add
 everything else stays the Trainer's (accumulation under `no_sync`, clipping, the optimizer and scheduler it
 builds, checkpoints, whose keys are unchanged). Evaluation runs the unwrapped model eagerly, as the Trainer
 does (it does not evaluate through DDP). A second `train()` keeps the compiled model; a Trainer that wraps a
-new one (`auto_find_batch_size`) gets it compiled too. One process: the model itself is compiled in place.
+new one later (`auto_find_batch_size`, after running out of memory) gets that one compiled (untested: it needs
+a GPU running out of memory). One process: the model itself is compiled in place.
 The report is logged (INFO, logger `compile_core.integrations.transformers`, rank 0) after the first step.
 
 Refused, with the fix named: `TrainingArguments(torch_compile=True)` or an accelerate dynamo backend (either
