@@ -162,8 +162,12 @@ class CompileState:
             guard_module_hooks=True,  # a hook the user adds (or removes) after a compile runs as in eager
         )
         install_compiled_call(inner, Detached(self._run_inner, copied_as=None))
-        # Run around DDP's own forward, however the model is called.
-        model.register_forward_pre_hook(detached_hook(self._before_forward))
+        if model is not inner:
+            # Run around DDP's own forward, however the model is called.
+            model.register_forward_pre_hook(detached_hook(self._before_forward))
+        # Without DDP, `_run_inner` runs it: a hook of `inner` would run inside the frame Dynamo compiles, which
+        # skips it (a graph break in every report), and torch 2.11 then compiled no graph at all of an
+        # nn.Sequential (2.13 and 2.14 compiled it after the break).
         # The first forward in a grad mode (the first evaluation under no_grad, the first training step after
         # evaluating) compiles graphs of its own: expected, not a recompile. A mode may refine this.
         self._grad_modes_seen: set[bool] = set()
@@ -248,6 +252,8 @@ class CompileState:
         self._calls += 1
 
     def _run_inner(self, *args: Any, **kwargs: Any) -> Any:
+        if self._model is self._inner:  # no DDP: what the pre-forward hook does around DDP (see __init__)
+            self._before_forward(self._inner, args)
         if self._eager:
             return call_uncompiled(self._inner, *args, **kwargs)
         graphs = self._events.graphs
