@@ -7,8 +7,10 @@ We compile the module DDP wraps, never DDP's own forward (Dynamo cannot trace it
 skips torch.nn frames: `torch.compile(DDP(nn.Sequential(...)))` compiles nothing). The compiled
 function is installed as the inner module's `_compiled_call_impl` (what `nn.Module.compile()` does), so
 DDP's forward still runs eagerly around it, `state_dict()` keys do not change, and the entry frame is
-ours, so Dynamo traces into `nn.Sequential` too. While our compiled function runs, DDP's "active
-module" slot is cleared: otherwise Dynamo would wrap our backend in PyTorch's DDPOptimizer again.
+ours, so Dynamo traces into `nn.Sequential` too; our own work before each forward stays outside that frame
+(a pre-hook of the DDP object; without DDP, the start of the compiled call). While our compiled function
+runs, DDP's "active module" slot is cleared: otherwise Dynamo would wrap our backend in PyTorch's
+DDPOptimizer again.
 """
 
 from __future__ import annotations
