@@ -32,10 +32,20 @@ try:
 except ImportError as err:  # pragma: no cover - exercised by a test that hides accelerate
     raise missing_extra("accelerate", err) from err
 
-__all__ = ["compile"]
+__all__ = ["compile", "refuse_self_compiling"]
 
 _DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 """accelerate's distributed types whose `prepare` wraps the model in DistributedDataParallel."""
+
+
+def refuse_self_compiling(accelerator: Accelerator, *, fix: str) -> None:
+    """ValueError when `accelerator` has a dynamo backend: it would torch.compile DDP's wrapper around ours."""
+    backend = accelerator.state.dynamo_plugin.backend
+    if backend != DynamoBackend.NO:
+        raise ValueError(
+            f"the Accelerator compiles prepared models itself (dynamo_backend={backend.value!r}), around DDP's "
+            f"own forward; {fix} so that compile_core compiles the model"
+        )
 
 
 def compile(accelerator: Accelerator, model: torch.nn.Module, **options: Any) -> compile_core.CompiledModel:
@@ -44,13 +54,7 @@ def compile(accelerator: Accelerator, model: torch.nn.Module, **options: Any) ->
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
     config = as_compile_config(options, argument="compile_core.integrations.accelerate.compile(...)")
-    backend = accelerator.state.dynamo_plugin.backend
-    if backend != DynamoBackend.NO:
-        raise ValueError(
-            f"the Accelerator compiles prepared models itself (dynamo_backend={backend.value!r}), around DDP's "
-            "own forward; create it without dynamo_backend (and launch with --dynamo_backend no) so that "
-            "compile_core compiles the model"
-        )
+    refuse_self_compiling(accelerator, fix="create it without dynamo_backend (and launch with --dynamo_backend no)")
     if isinstance(model, torch.nn.Module) and is_compiled_module(model):
         raise ValueError(
             "model was wrapped by torch.compile; pass the model accelerator.prepare() returned, uncompiled"

@@ -33,7 +33,6 @@ from compile_core.integrations.common import FirstStepLog, as_compile_config, co
 from compile_core.report import CompileReport
 
 try:
-    from accelerate.utils import DynamoBackend
     from transformers import Trainer, TrainerCallback
 
     import compile_core.integrations.accelerate as accelerate_integration
@@ -94,20 +93,16 @@ def compile(trainer: Trainer, **options: Any) -> TrainerCompile:
             "TrainingArguments(torch_compile=True) makes the Trainer torch.compile the DDP wrapper itself, "
             "around DDP's own forward; set torch_compile=False so that compile_core compiles the model"
         )
-    backend = trainer.accelerator.state.dynamo_plugin.backend
-    if backend != DynamoBackend.NO:
-        raise ValueError(
-            f"the Trainer's Accelerator compiles the model itself (dynamo backend {backend.value!r}, from "
-            "ACCELERATE_DYNAMO_BACKEND or an accelerate config); unset it so that compile_core compiles the model"
-        )
+    accelerate_integration.refuse_self_compiling(
+        trainer.accelerator, fix="unset ACCELERATE_DYNAMO_BACKEND (or the accelerate config's dynamo backend)"
+    )
     for flag, name in (("is_fsdp_enabled", "FSDP"), ("is_deepspeed_enabled", "DeepSpeed")):
         if getattr(trainer, flag, False):
             raise ValueError(
                 f"the Trainer is set up for {name}; compile_core compiles DistributedDataParallel models only: "
                 f"drop the {name} arguments (the Trainer then uses DDP on several processes)"
             )
-    mine = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TrainerCompile)]
-    if mine:
+    if any(isinstance(cb, TrainerCompile) for cb in trainer.callback_handler.callbacks):
         raise ValueError(
             "this Trainer already has a compile_core callback (compile was called on it before); call compile "
             "once per Trainer, or trainer.remove_callback(TrainerCompile) first"
