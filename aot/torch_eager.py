@@ -175,3 +175,12 @@ def version_of(tensor: torch.Tensor) -> int:
     Mirrors `Tensor._version` (autograd's `VariableVersion`, `c10/core/TensorImpl.h`), which autograd
     checks saved tensors against; read on the host, it costs no dispatch and no device sync."""
     return tensor._version
+
+
+def set_version(tensor: torch.Tensor, version: int) -> None:
+    """Set the tensor's version counter, so that autograd accepts it as saved at `version` although it was
+    written in place since (the values it then reads are the current ones: the caller's intent).
+
+    Mirrors what `torch.autograd._unsafe_preserve_version_counter` does on exit
+    (`torch._C._autograd._unsafe_set_version_counter`, which takes a tuple of tensors and one of versions)."""
+    torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))

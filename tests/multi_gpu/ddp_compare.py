@@ -307,6 +307,17 @@ def assert_reduced_once(per_rank: list[dict]) -> None:
             assert [i for i, _ in buckets] == list(range(len(buckets))), f"rank {rank} step {step}: bucket order"
 
 
+def assert_accumulation_reduced_in_graph(report: dict) -> None:
+    """ddp="in_graph" in a loop with no_sync accumulation: the synchronising micro-batch ran the variant that
+    reduces `accumulated + its own` in the graph's buckets, and none of those parameters was all-reduced again
+    after the backward (`report`: `report().to_dict()` after a synchronising step)."""
+    synced = [g for g in report["graphs"] if g.get("variant") == "reduce_acc"]
+    assert synced and max(len(g["buckets"]) for g in synced) >= 2, report["graphs"]
+    in_buckets = {n for g in synced for b in g["buckets"] for n in b["params"]}
+    again = in_buckets & set(report["in_graph"]["leftovers_last_step"])
+    assert not again, f"reduced in the graph and again after the backward: {sorted(again)}"
+
+
 def assert_real_buckets_are_pieces(per_rank: list[dict], untouched: tuple[str, ...] = (), from_step: int = 1) -> None:
     """From `from_step` on (DDP's first step uses its own initial buckets), the buckets DDP really reduced
     are exactly our planned pieces, in backward order, plus buckets holding only the `untouched`

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from launch.net import free_port
-from tests.multi_gpu.ddp_compare import update_rel_err
+from tests.multi_gpu.ddp_compare import assert_accumulation_reduced_in_graph, update_rel_err
 from tests.multi_gpu.script_jobs import REPO, assert_ok, run_script_job
 
 pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(480)]
@@ -86,6 +86,8 @@ def test_trainer_model_compiled_trains_like_the_trainers_ddp(runs, mode):
     assert (report["ddp_mode"], report["backend"]) == (mode, "aot_eager")
     # in_graph: the no_sync micro-batch runs a graph without collectives, the synchronising one its own
     assert max(len(g["buckets"]) for g in report["graphs"]) >= 2, report["graphs"]
+    if mode == "in_graph":
+        assert_accumulation_reduced_in_graph(report)
     assert "first training step done under transformers.Trainer" in runs[mode]["log"]
 
 

@@ -83,8 +83,27 @@ def _train(rank: int, make_model, make_input=None, **kwargs) -> dict:
     return train_against_eager(make_model, make_input or functools.partial(batch, rank=rank), ddp="in_graph", **kwargs)
 
 
-def _accumulate(rank: int, accum: int = 2, updates: int = 3) -> dict:
-    """no_sync micro-batches: the first accum-1 reduce nothing; the last reduces accumulated + its own."""
+def _halve_grads_in_place(module: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in module.parameters():
+        p.grad.mul_(0.5)
+
+
+def _halve_grads_anew(module: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in module.parameters():
+        p.grad = p.grad * 0.5
+
+
+def _drop_grads(module: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad(set_to_none=True)
+
+
+def _accumulate(
+    rank: int, accum: int = 2, updates: int = 3, *, sync_flag: bool = False, after_sync_forward=None
+) -> dict:
+    """no_sync micro-batches: the first accum-1 reduce nothing; the last reduces accumulated + its own.
+    `sync_flag`: nanoGPT's loop (`ddp.require_backward_grad_sync = last` instead of `no_sync()`);
+    `after_sync_forward(module, opt)`: what the loop does to `.grad` between the synchronising forward and
+    its backward."""
     import compile_core
 
     torch.manual_seed(0)
@@ -101,8 +120,12 @@ def _accumulate(rank: int, accum: int = 2, updates: int = 3) -> dict:
         last = (step + 1) % accum == 0
         for key, run, ddp, opt in (("ours", compiled, ours, opts[0]), ("ref", theirs, theirs, opts[1])):
             watch = log.step() if key == "ours" else contextlib.nullcontext()
-            with watch, ddp.no_sync() if not last else contextlib.nullcontext():
+            if sync_flag:
+                ddp.require_backward_grad_sync = last
+            with watch, ddp.no_sync() if not (last or sync_flag) else contextlib.nullcontext():
                 loss = run(*x).square().mean()
+                if last and after_sync_forward is not None:
+                    after_sync_forward(ddp.module, opt)
                 (loss / accum).backward()
             losses[key].append(loss.item())
             if last:
@@ -141,6 +164,10 @@ SCENARIOS = {
     "graph_break": lambda rank: _train(rank, GraphBreak),
     "ddp_called_directly": lambda rank: _train(rank, mlp, call_ddp_directly=True),
     "no_sync_accumulation": lambda rank: _accumulate(rank),
+    "sync_flag_accumulation": lambda rank: _accumulate(rank, accum=3, sync_flag=True),
+    "accumulation_halved_in_place": lambda rank: _accumulate(rank, after_sync_forward=_halve_grads_in_place),
+    "accumulation_halved_anew": lambda rank: _accumulate(rank, after_sync_forward=_halve_grads_anew),
+    "accumulation_dropped": lambda rank: _accumulate(rank, after_sync_forward=_drop_grads),
 }
 
 
@@ -264,15 +291,47 @@ def test_calling_the_ddp_object_directly(results):
     _assert_reduced_in_graph(per_rank)
 
 
+def _assert_accumulation_reduced_once(per_rank: list[dict], accum: int) -> None:
+    """The synchronising micro-batch's graph reduced `accumulated + its own` in its buckets: one all-reduce per
+    bucket per update, as DDP's reducer, and nothing reduced again after the backward."""
+    report = per_rank[0]["report"]
+    assert sorted(g["variant"] for g in report["graphs"]) == ["local", "reduce_acc"], report["graphs"]
+    assert report["recompiles"] == []
+    (synced,) = [g for g in report["graphs"] if g["variant"] == "reduce_acc"]
+    buckets = len(synced["buckets"])
+    for rank, r in enumerate(per_rank):
+        assert r["report"]["in_graph"]["leftovers_last_step"] == [], (rank, r["report"]["in_graph"])
+        expected = [buckets if (i + 1) % accum == 0 else 0 for i in range(len(r["reduced"]))]
+        assert [s["all_reduces"] for s in r["reduced"]] == expected, (rank, r["reduced"])
+
+
 def test_no_sync_accumulation_reduces_once_per_update_without_recompiling(results):
     per_rank = ok(results, "no_sync_accumulation")
     assert_matches_eager(per_rank)
     _assert_reduced_in_graph(per_rank)
-    report = per_rank[0]["report"]
-    # a user's loop may zero .grad after the forward: the accumulated gradients are added by autograd
-    # and reduced after the backward, so the sync step runs the plain reducing variant
-    assert sorted(g["variant"] for g in report["graphs"]) == ["local", "reduce"], report["graphs"]
-    assert report["recompiles"] == []
+    _assert_accumulation_reduced_once(per_rank, accum=2)
+
+
+def test_nanogpt_sync_flag_accumulation_reduces_once_per_update(results):
+    """nanoGPT sets `require_backward_grad_sync` on the DDP object instead of entering no_sync()."""
+    per_rank = ok(results, "sync_flag_accumulation")
+    assert_matches_eager(per_rank)
+    _assert_reduced_in_graph(per_rank)
+    _assert_accumulation_reduced_once(per_rank, accum=3)
+
+
+@pytest.mark.parametrize(
+    "scenario, reduced_after",
+    [("accumulation_halved_in_place", False), ("accumulation_halved_anew", True), ("accumulation_dropped", False)],
+)
+def test_gradients_touched_between_the_synchronising_forward_and_its_backward(results, scenario, reduced_after):
+    """The graph took the accumulated `.grad` at the forward; the loop then rescales it in place, replaces it, or
+    drops it (zero_grad) before the backward: every rank still ends with what eager DDP averages."""
+    per_rank = ok(results, scenario)
+    assert_matches_eager(per_rank)
+    leftovers = per_rank[0]["report"]["in_graph"]["leftovers_last_step"]
+    # a replacement `.grad` is not what the graph took: it is reduced after the backward, as eager DDP reduces it
+    assert bool(leftovers) == reduced_after, leftovers
 
 
 @torch.library.custom_op("ddp_compile_tests::dropped_all_reduce", mutates_args=())

@@ -450,6 +450,20 @@ def test_version_of_counts_in_place_writes_and_not_reads():
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_set_version_lets_a_saved_tensor_written_in_place_be_read_as_it_is_now():
+    with canary("aot/torch_eager.py:set_version"):
+        x = torch.ones(3, requires_grad=True)
+        saved = torch.full((3,), 2.0)
+        out = torch.compile(lambda a, b: (a * b).sum(), backend="aot_eager")(x, saved)  # `saved` kept for backward
+        version = torch_eager.version_of(saved)
+        saved.zero_()  # without set_version, autograd refuses a saved tensor modified in place
+        torch_eager.set_version(saved, version)
+        assert torch_eager.version_of(saved) == version
+        out.backward()
+        assert x.grad.tolist() == [0.0, 0.0, 0.0]  # the values as they are now
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_pytorch_ddp_optimizer_is_a_dynamo_config_value():
     with canary("aot/torch_dynamo.py:pytorch_ddp_optimizer"):
         with torch_dynamo.pytorch_ddp_optimizer():
