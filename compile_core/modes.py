@@ -225,6 +225,7 @@ class InGraphMode(CompileMode):
             first_bucket_cap_bytes=ctx.first_cap_bytes,
             agreement=ctx.agreement,
             reduce_dtype=ctx.config.reduce_dtype,
+            lend_accumulated=not (ctx.config.backend == "inductor" and ctx.config.inductor_settings().cuda_graphs),
         )
 
     def _alignment(self) -> ReducerAlignment:

@@ -93,6 +93,7 @@ class InGraphReducer:
         first_bucket_cap_bytes: int,
         agreement: RankAgreement,
         reduce_dtype: torch.dtype | None = None,
+        lend_accumulated: bool = True,
     ) -> None:
         self.ddp = ddp
         self.names = names
@@ -131,6 +132,10 @@ class InGraphReducer:
         self._new_variant = False
         self._had_grad: set[int] = set()  # covered params holding a .grad when the backward began
         self._eager_uses: dict[int, int] | None = None  # ops per parameter in an eager step (`after_eager_step`)
+        self.lend_accumulated = lend_accumulated
+        """Whether a user's loop lends its accumulated `.grad` to the synchronising graph (see the Note). Off
+        under CUDA graphs: their replay copies graph inputs into its own buffers at the forward, so a write to
+        `.grad` or its drop before the backward would not reach the graph."""
         self.accumulate_in_graph = False
         """True (train_step): nothing touches `.grad` between a forward and its backward, so gradients
         accumulated under no_sync are moved out of `.grad` into the graph at the forward. False (a user's
@@ -202,7 +207,7 @@ class InGraphReducer:
             # reduction is ours: DDP's bucket buffers, a full copy of the gradients, go.
             self.released_bytes = torch_ddp_reducer.release_reducer_buckets(self.ddp)
         accumulated = False
-        if sync and (self.accumulate_in_graph or self._after_no_sync):
+        if sync and (self.accumulate_in_graph or (self._after_no_sync and self.lend_accumulated)):
             self._stash = {id(p): p.grad for p in self.params if p.grad is not None}
             accumulated = bool(self._stash)
             if self.accumulate_in_graph:

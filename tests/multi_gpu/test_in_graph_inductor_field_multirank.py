@@ -41,6 +41,14 @@ SCENARIOS = {
         reduce_dtype=torch.bfloat16,
         backend="inductor",
     ),
+    # no_sync accumulation: the synchronising graph takes the accumulated .grad (a graph input Inductor saves
+    # for its backward) and reduces it with its own micro-batch
+    "accumulation": lambda r: _in_graph(r, _script(accum=2), backend="inductor"),
+    # the same under CUDA graphs' mode, which copies graph inputs at the forward: lending is off there (on this
+    # CPU Inductor skips the capture, and the mode's choice is what is checked)
+    "accumulation_cuda_graphs_mode": lambda r: _in_graph(
+        r, _script(accum=2), backend="inductor", mode="reduce-overhead"
+    ),
 }
 
 
@@ -53,7 +61,7 @@ def results():
     return run_ranks(_all, world_size=2, timeout=580)
 
 
-def _assert_reduced_in_the_graph(report: dict, wire: str) -> None:
+def _assert_reduced_in_the_graph(report: dict, wire: str | None) -> None:
     in_graph = report["in_graph"]
     assert in_graph["reduce_dtype"] == wire, in_graph
     assert in_graph["reducer"] == "compiled backward", in_graph
@@ -76,3 +84,16 @@ def test_reduce_dtype_bf16_with_static_graph_trains_like_ddps_bf16_compression(r
     per_rank = ok(results, "reduce_dtype_bf16_static_graph")
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-5)
     _assert_reduced_in_the_graph(per_rank[0]["report"], "torch.bfloat16")
+
+
+@pytest.mark.parametrize(
+    "scenario, synchronising_variant, reduced_after",
+    [("accumulation", "reduce_acc", False), ("accumulation_cuda_graphs_mode", "reduce", True)],
+)
+def test_no_sync_accumulation_trains_like_eager_ddp(results, scenario, synchronising_variant, reduced_after):
+    per_rank = ok(results, scenario)
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-5)
+    report = per_rank[0]["report"]
+    _assert_reduced_in_the_graph(report, None)  # the gradients' own dtype on the wire
+    assert sorted(g["variant"] for g in report["graphs"]) == ["local", synchronising_variant], report["graphs"]
+    assert bool(report["in_graph"]["leftovers_last_step"]) == reduced_after, report["in_graph"]
