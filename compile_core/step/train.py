@@ -106,7 +106,7 @@ class TrainStep:
         self._compiled = self.compiled_model.compile_state
         if self._compiled.in_graph is not None:
             # nothing touches .grad between our forward and backward: accumulate inside the graph
-            self._compiled.in_graph.accumulate_in_graph = True
+            self._compiled.in_graph.accumulated.move_out = True
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._device_type = _device_type(model)
         self._micro_batches = 0

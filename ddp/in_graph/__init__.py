@@ -5,6 +5,7 @@
 * `graph_pass.py` -- the FX passes (bucketed all-reduce in the backward, accumulated gradients);
 * `partitioner.py` -- AOTAutograd's partition step with those passes (aot_eager and Inductor);
 * `runtime.py` -- `InGraphReducer`: DDP's semantics around it (no_sync, buffers, the end of the backward);
+* `accumulated.py` -- gradients accumulated under no_sync, handed to the synchronising graph (moved or lent);
 * `variants.py` -- which compiled variant a step runs (and the guard on it), the ranks' agreement on its graphs;
 * `policy.py` -- which reduction a comm hook asks for (compiled in, or left to DDP's reducer);
 * `probe.py` -- finds parameters with gradient producers outside a single compiled graph;

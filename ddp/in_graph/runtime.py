@@ -19,16 +19,9 @@ Algorithm, per forward of the DDP model:
     we cannot compile (ddp/in_graph/policy.py) leaves everything to DDP's reducer instead ("local" graphs).
   * accumulation under `no_sync()` ("reduce_acc"): the gradients accumulated by earlier micro-batches
     become extra inputs of the graph, whose backward reduces `accumulated + this micro-batch` in its
-    buckets (ddp/in_graph/graph_pass.py): one all-reduce per bucket per update, as DDP's reducer. In a
-    train_step they are moved out of `.grad` at the forward. A user's own loop may still touch `.grad`
-    between the forward and the backward (zero it, replace it), so there they are lent, not moved: the
-    graph takes `.grad` by reference when the forward follows a `no_sync()` forward, and when the
-    backward begins (before any compiled backward runs) `.grad` is checked. Still the tensor lent:
-    `.grad` lets go of it (autograd must not add this micro-batch to it a second time) and the graph
-    reads its values as they are now (an in-place write since the forward is taken, not refused as a
-    saved tensor modified in place). Dropped or replaced: the lent tensor is zeroed, so the graph adds
-    nothing of it, and a replacement is reduced after the backward. Any other `.grad` held when the
-    backward begins (gradients not zeroed after a synchronised step) is reduced after the backward too.
+    buckets (Note [Accumulated gradients in ddp="in_graph"], ddp/in_graph/accumulated.py). Any other
+    `.grad` held when the backward begins (gradients not zeroed after a synchronised step) is reduced
+    after the backward.
   * after DDP's forward, its flags are restored as its own forward would leave them. Then the
     graphs this rank ran (their buckets, by parameter name) are compared with the last set all
     ranks agreed on; when they differ (the first step, a new graph, a rank that took another
@@ -62,11 +55,12 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_eager import set_version, tree_leaves, version_of
+from aot.torch_eager import tree_leaves
 from aot.torch_graphs import inline_nested_regions, with_extra_inputs
 from ddp import torch_ddp, torch_ddp_reducer
 from ddp.agreement import RankAgreement
 from ddp.bucketing.grad_buckets import GradBucketPlan
+from ddp.in_graph.accumulated import AccumulatedGradients
 from ddp.in_graph.after_backward import AfterBackward, graph_buckets
 from ddp.in_graph.hooks import BackwardHook, GraphInputs, GraphToCompile, HookedGraph, StepOutcome
 from ddp.in_graph.leftovers import LeftoverReducer
@@ -118,9 +112,6 @@ class InGraphReducer:
         self.fallbacks: list[dict[str, str]] = []
         """Graphs whose collectives could not be placed in the backward: {"graph", "reason"}."""
         self._user_sync = True
-        self._stash: dict[int, torch.Tensor] = {}  # accumulated grads for this forward's graphs, by param id
-        self._lent: dict[int, tuple[torch.Tensor, int]] = {}  # a user's loop: handed to a graph, still .grad
-        self._after_no_sync = False  # the last forward with gradients ran under no_sync (a user's loop)
         self._runs: list[tuple[tuple, frozenset[int], frozenset[int], Any]] = []  # this forward's graphs
         self._covered: list[frozenset[int]] = []  # param ids reduced in-graph, per graph run this step
         self._consumed: set[int] = set()  # param ids whose gradient a hook used up in this step's backward
@@ -132,15 +123,9 @@ class InGraphReducer:
         self._new_variant = False
         self._had_grad: set[int] = set()  # covered params holding a .grad when the backward began
         self._eager_uses: dict[int, int] | None = None  # ops per parameter in an eager step (`after_eager_step`)
-        self.lend_accumulated = lend_accumulated
-        """Whether a user's loop lends its accumulated `.grad` to the synchronising graph (see the Note). Off
-        under CUDA graphs: their replay copies graph inputs into its own buffers at the forward, so a write to
-        `.grad` or its drop before the backward would not reach the graph."""
-        self.accumulate_in_graph = False
-        """True (train_step): nothing touches `.grad` between a forward and its backward, so gradients
-        accumulated under no_sync are moved out of `.grad` into the graph at the forward. False (a user's
-        loop, which may zero or replace `.grad` after the forward): they are lent to the graph after a
-        no_sync forward and checked when the backward begins (see the Note)."""
+        self.accumulated = AccumulatedGradients(self.params, lend=lend_accumulated)
+        """Gradients accumulated under no_sync, on their way into the synchronising graph (accumulated.py);
+        `lend_accumulated=False` under CUDA graphs."""
         self._probe: OutsideGradientProbe | None = None
         self._armed = False
         self.sync_steps = 0
@@ -206,15 +191,7 @@ class InGraphReducer:
             # From the first synchronising step on, comm hooks are fixed (`_check_hooks`) and every
             # reduction is ours: DDP's bucket buffers, a full copy of the gradients, go.
             self.released_bytes = torch_ddp_reducer.release_reducer_buckets(self.ddp)
-        accumulated = False
-        if sync and (self.accumulate_in_graph or (self._after_no_sync and self.lend_accumulated)):
-            self._stash = {id(p): p.grad for p in self.params if p.grad is not None}
-            accumulated = bool(self._stash)
-            if self.accumulate_in_graph:
-                for p in self.params:
-                    p.grad = None
-        elif torch.is_grad_enabled() and not sync:
-            self._after_no_sync = True
+        accumulated = self.accumulated.at_forward(sync=sync)
         hook = self._hook
         self.variant = variant_for(
             sync=sync, accumulated=accumulated, hooked=hook is not None, generation=hook.generation if hook else 0
@@ -256,13 +233,11 @@ class InGraphReducer:
             # the ranks agree on the graphs here, where eager DDP synchronises too, and not after the
             # forward, which some ranks may run alone (evaluation on rank 0, with or without gradients).
             self._agreed_now = self._graphs_run.agree(self._signature, compiled_this_step=self._compiled_this_step)
-            if not self.accumulate_in_graph:
-                # The backward begins (no compiled graph has run yet): what the graphs were lent is
-                # settled; any other gradient held here was not zeroed since the last synchronised
-                # step, autograd adds this step's reduced share to it, and the sum is reduced after
-                # the backward.
-                self._settle_lent()
-                self._after_no_sync = False
+            # The backward begins (no compiled graph has run yet): what the graphs were lent is settled;
+            # any other gradient held here was not zeroed since the last synchronised step, autograd adds
+            # this step's reduced share to it, and the sum is reduced after the backward.
+            self.accumulated.at_backward_start()
+            if not self.accumulated.move_out:
                 self._had_grad = {i for covered in self._covered for i in covered if self._by_id[i].grad is not None}
             torch_ddp.queue_end_of_backward(self._finish_backward)
 
@@ -338,7 +313,7 @@ class InGraphReducer:
             if accumulates(variant):
                 for i in sorted(plan.input_indices()):
                     accumulated[i] = graph_inputs.add(
-                        torch.zeros_like(inputs[i]), lambda p=inputs[i]: self._take_accumulated(p)
+                        torch.zeros_like(inputs[i]), lambda p=inputs[i]: self.accumulated.take(p)
                     )
             hook = self._hook_for(name, gm, graph_inputs, plan) if hooked(variant) else HookedGraph(None)
             produce = graph_inputs.produce if graph_inputs.added else None  # the extra inputs of each run
@@ -403,40 +378,10 @@ class InGraphReducer:
         most = self._eager_uses.get(id(param))
         return most is None or graph_uses(gm, index) < most  # not reached by the eager step: counted as shared
 
-    def _take_accumulated(self, param: torch.nn.Parameter) -> torch.Tensor:
-        acc = self._stash.pop(id(param), None)
-        if acc is None:
-            return torch.zeros_like(param)
-        if not self.accumulate_in_graph:
-            self._lent[id(param)] = (acc, version_of(acc))
-        return acc
-
-    def _settle_lent(self) -> None:
-        """When the backward begins: the gradients lent to this step's graphs in a user's loop (see the Note)."""
-        for pid, (acc, version) in self._lent.items():
-            p = self._by_id[pid]
-            if p.grad is acc:
-                p.grad = None  # the graph's backward reduces it with this micro-batch; its sum becomes .grad
-                if version_of(acc) != version:  # written in place since the forward (`.zero_()`): read as it is
-                    set_version(acc, version)
-            else:  # dropped or replaced since the forward (`zero_grad()`): the graph must add none of it
-                acc.zero_()
-                set_version(acc, version)
-        self._lent = {}
-
     # -- end of backward -----------------------------------------------------------------------------
 
-    def _put_back_stash(self) -> None:
-        """Accumulated gradients no graph took: moved out of `.grad` (a train_step), they go back."""
-        if self.accumulate_in_graph:
-            for pid, acc in self._stash.items():
-                p = self._by_id[pid]
-                p.grad = acc if p.grad is None else p.grad.add_(acc)
-        self._stash = {}
-
     def _abandon_backward(self) -> None:
-        self._put_back_stash()
-        self._lent = {}  # still in .grad: the forward that took them has no backward
+        self.accumulated.abandon()
         if self._probe is not None:
             self._probe.close()
             self._probe = None
@@ -447,7 +392,7 @@ class InGraphReducer:
         """Reduce what the graphs did not reduce alone (see the Note)."""
         covered = frozenset().union(*self._covered)
         self._covered = []
-        self._put_back_stash()
+        self.accumulated.at_backward_end()
         if self._probe is not None:
             found = self._probe.close()
             self._probe = None
