@@ -52,6 +52,7 @@ class AccumulatedGradients:
         self._stash: dict[int, torch.Tensor] = {}  # this forward's accumulated gradients, by parameter id
         self._lent: dict[int, tuple[torch.Tensor, int]] = {}  # taken by a graph, still `.grad`: (tensor, version)
         self._after_no_sync = False  # the last forward with gradients ran under no_sync
+        self._let_go: dict[int, torch.Tensor] = {}  # lent, and `.grad` let go of it when the backward began
 
     def at_forward(self, *, sync: bool) -> bool:
         """Before the DDP model's forward (`sync`: it will reduce); whether its graphs take accumulated gradients."""
@@ -82,6 +83,7 @@ class AccumulatedGradients:
             p = self._by_id[pid]
             if p.grad is acc:
                 p.grad = None  # the graph's backward reduces it with this micro-batch; the sum becomes `.grad`
+                self._let_go[pid] = acc
                 if version_of(acc) != version:  # written in place since the forward: read as it is now
                     set_version(acc, version)
             else:  # dropped or replaced since the forward (`zero_grad()`): the graph must add none of it
@@ -89,13 +91,23 @@ class AccumulatedGradients:
                 set_version(acc, version)
         self._lent = {}
 
-    def at_backward_end(self) -> None:
-        """What no graph took: moved out of `.grad`, it goes back (lent, it never left)."""
+    def at_backward_end(self) -> set[int]:
+        """What no graph took: moved out of `.grad`, it goes back (lent, it never left). A lent gradient whose
+        `.grad` stayed empty (`torch.autograd.grad` fills no `.grad`) is given back as it was, unreduced: the
+        ids of those are returned."""
+        given_back = set()
+        for pid, acc in self._let_go.items():
+            p = self._by_id[pid]
+            if p.grad is None:
+                p.grad = acc
+                given_back.add(pid)
+        self._let_go = {}
         if self.move_out:
             for pid, acc in self._stash.items():
                 p = self._by_id[pid]
                 p.grad = acc if p.grad is None else p.grad.add_(acc)
         self._stash = {}
+        return given_back
 
     def abandon(self) -> None:
         """The forward that took them never ran its backward."""

@@ -392,7 +392,7 @@ class InGraphReducer:
         """Reduce what the graphs did not reduce alone (see the Note)."""
         covered = frozenset().union(*self._covered)
         self._covered = []
-        self.accumulated.at_backward_end()
+        given_back = self.accumulated.at_backward_end()  # not reduced: no graph result reached their `.grad`
         if self._probe is not None:
             found = self._probe.close()
             self._probe = None
@@ -413,5 +413,5 @@ class InGraphReducer:
         if self._agreed_now:
             self._agreed_now = False
             self._graphs_run.check_reduced(
-                [(self.names.get(id(p), "?"), p.grad) for p in self.params if id(p) in covered]
+                [(self.names.get(id(p), "?"), p.grad) for p in self.params if id(p) in covered - given_back]
             )

@@ -144,6 +144,22 @@ def _accumulate(
     }
 
 
+def _autograd_grad_after_accumulation(rank: int) -> dict:
+    """A no_sync micro-batch, then `torch.autograd.grad` through a synchronising forward: autograd.grad fills no
+    `.grad`, so the accumulation the graph was lent stays the rank's own `.grad`, as in eager DDP."""
+    import compile_core
+
+    torch.manual_seed(0)
+    ddp = wrap_ddp(to_rank_device(mlp()))
+    model = compile_core.compile(ddp, backend="aot_eager", ddp="in_graph", bucket_cap_mb=CAP_MB)
+    with ddp.no_sync():
+        model(*to_rank_device(batch(0, rank))).square().mean().backward()
+    held = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+    loss = model(*to_rank_device(batch(1, rank))).square().mean()
+    torch.autograd.grad(loss, list(ddp.module.parameters()))
+    return {"held": held, "grads": {n: p.grad for n, p in ddp.module.named_parameters()}}
+
+
 SCENARIOS = {
     "mlp": lambda rank: _train(rank, mlp),
     "gpt": lambda rank: _train(rank, lambda: GPT(GPT_CFG), functools.partial(tokens, rank=rank), bucket_cap_mb=0.01),
@@ -168,6 +184,7 @@ SCENARIOS = {
     "accumulation_halved_in_place": lambda rank: _accumulate(rank, after_sync_forward=_halve_grads_in_place),
     "accumulation_halved_anew": lambda rank: _accumulate(rank, after_sync_forward=_halve_grads_anew),
     "accumulation_dropped": lambda rank: _accumulate(rank, after_sync_forward=_drop_grads),
+    "autograd_grad_after_accumulation": _autograd_grad_after_accumulation,
 }
 
 
@@ -366,3 +383,10 @@ def test_a_compiled_backward_that_lost_its_all_reduces_stops_the_job_after_the_f
     compile that loses them must stop the job on every rank, naming the gradients, not train each rank alone."""
     with pytest.raises(RuntimeError, match=r"gradients of \['0.weight'.* differ between rank \d and rank \d"):
         run_ranks(_with_all_reduces_dropped, world_size=2, timeout=200)
+
+
+def test_autograd_grad_after_no_sync_accumulation_leaves_grad_as_it_was(results):
+    for rank, r in enumerate(ok(results, "autograd_grad_after_accumulation")):
+        for name, held in r["held"].items():
+            grad = r["grads"][name]
+            assert grad is not None and torch.equal(grad, held), f"rank {rank}: {name}'s accumulated .grad changed"

@@ -113,3 +113,16 @@ def test_a_forward_without_its_backward_leaves_grad_alone():
     acc.abandon()
     assert params[0].grad is held and held.tolist() == [1.0] * 3
     assert acc.at_forward(sync=True) is True  # still after the no_sync micro-batch: the next forward takes it
+
+
+def test_a_backward_that_fills_no_grad_gives_the_lent_gradient_back():
+    """`torch.autograd.grad` runs the graph's backward (which read the lent tensor) but fills no `.grad`."""
+    (p,) = _params(1)
+    acc = AccumulatedGradients([p], lend=True)
+    _after_no_sync(acc)
+    acc.at_forward(sync=True)
+    held = acc.take(p)
+    acc.at_backward_start()
+    assert p.grad is None
+    acc.at_backward_end()
+    assert p.grad is held and held.tolist() == [1.0] * 3
