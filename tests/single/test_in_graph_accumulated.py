@@ -24,6 +24,14 @@ def _after_no_sync(acc: AccumulatedGradients) -> None:
     assert acc.at_forward(sync=False) is False  # a no_sync micro-batch's forward takes nothing
 
 
+def _lending(params: list[nn.Parameter]) -> AccumulatedGradients:
+    """A user's loop after one no_sync micro-batch, at the synchronising forward (which takes the gradients)."""
+    acc = AccumulatedGradients(params, lend=True)
+    _after_no_sync(acc)
+    assert acc.at_forward(sync=True) is True
+    return acc
+
+
 def test_a_user_loop_lends_grad_after_a_no_sync_forward_and_lets_go_when_the_backward_begins():
     params = _params()
     acc = AccumulatedGradients(params, lend=True)
@@ -40,9 +48,7 @@ def test_a_user_loop_lends_grad_after_a_no_sync_forward_and_lets_go_when_the_bac
 
 def test_an_in_place_write_after_the_forward_is_read_as_it_is_with_the_version_of_the_forward():
     (p,) = _params(1)
-    acc = AccumulatedGradients([p], lend=True)
-    _after_no_sync(acc)
-    acc.at_forward(sync=True)
+    acc = _lending([p])
     taken = acc.take(p)
     version = version_of(taken)
     p.grad.mul_(0.5)  # the loop rescales .grad between the forward and the backward
@@ -53,9 +59,7 @@ def test_an_in_place_write_after_the_forward_is_read_as_it_is_with_the_version_o
 
 def test_a_dropped_or_replaced_grad_is_zeroed_in_what_the_graph_took():
     dropped, replaced = _params()
-    acc = AccumulatedGradients([dropped, replaced], lend=True)
-    _after_no_sync(acc)
-    acc.at_forward(sync=True)
+    acc = _lending([dropped, replaced])
     took_dropped, took_replaced = acc.take(dropped), acc.take(replaced)
     dropped.grad = None  # zero_grad(set_to_none=True) after the forward
     replacement = torch.full((3,), 7.0)
@@ -81,9 +85,7 @@ def test_nothing_is_lent_without_a_no_sync_forward_before_or_under_cuda_graphs()
 def test_a_zero_input_where_nothing_was_accumulated():
     params = _params()
     params[1].grad = None
-    acc = AccumulatedGradients(params, lend=True)
-    _after_no_sync(acc)
-    acc.at_forward(sync=True)
+    acc = _lending(params)
     assert acc.take(params[1]).tolist() == [0.0] * 3
     assert acc.take(params[0]).tolist() == [1.0] * 3
     assert acc.take(params[0]).tolist() == [0.0] * 3, "a second run of a graph in the same forward adds nothing"
@@ -106,9 +108,7 @@ def test_a_train_step_moves_grad_out_and_puts_back_what_no_graph_took():
 
 def test_a_forward_without_its_backward_leaves_grad_alone():
     params = _params()
-    acc = AccumulatedGradients(params, lend=True)
-    _after_no_sync(acc)
-    acc.at_forward(sync=True)
+    acc = _lending(params)
     held = acc.take(params[0])
     acc.abandon()
     assert params[0].grad is held and held.tolist() == [1.0] * 3
@@ -118,9 +118,7 @@ def test_a_forward_without_its_backward_leaves_grad_alone():
 def test_a_backward_that_fills_no_grad_gives_the_lent_gradient_back():
     """`torch.autograd.grad` runs the graph's backward (which read the lent tensor) but fills no `.grad`."""
     (p,) = _params(1)
-    acc = AccumulatedGradients([p], lend=True)
-    _after_no_sync(acc)
-    acc.at_forward(sync=True)
+    acc = _lending([p])
     held = acc.take(p)
     acc.at_backward_start()
     assert p.grad is None
