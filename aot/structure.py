@@ -20,6 +20,12 @@ It is stable across processes for the same program (no ids, no addresses), so ra
 name the same graph the same way. What cannot be named stably (a lambda target, a tensor constant
 held by the graph) is named by its id: such graphs are never shared, and that is the safe answer.
 
+A graph that reads a tensor's value into a Python number (`.item()`: Dynamo's form of a float it
+made dynamic after a recompile, such as stochastic depth's rate) is the exception: AOTAutograd may
+bake the number in where an op needs a plain float, behind a guard Dynamo put on the frame, so two
+such graphs alike in structure can need different code. `reads_tensor_values` names them; the caller
+does not share their compiles.
+
 Notes: knows nothing of DDP or of buckets; used by compile_core/reuse/compile_once.py.
 
 Debugging: `structural_lines(gm, inputs)` returns the text that is hashed.
@@ -47,6 +53,21 @@ def structural_key(gm: fx.GraphModule, example_inputs: Iterable[Any], extra: Ite
         digest.update(line.encode())
         digest.update(b"\n")
     return digest.hexdigest()[:24]
+
+
+_VALUE_READS = ("item", "tolist")
+"""Tensor methods that turn a tensor's values into Python numbers."""
+
+
+def reads_tensor_values(gm: fx.GraphModule) -> bool:
+    """Whether `gm` turns a tensor's value into a Python number (see the Note): its compile may
+    depend on that value, which its structure does not show."""
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target in _VALUE_READS:
+            return True
+        if node.op == "call_function" and node.target in (torch.Tensor.item, torch.Tensor.tolist):
+            return True
+    return False
 
 
 def structural_lines(gm: fx.GraphModule, example_inputs: Iterable[Any], extra: Iterable[Any] = ()) -> list[str]:

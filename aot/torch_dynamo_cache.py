@@ -136,3 +136,15 @@ def watch_caches() -> Iterator[CacheOutcome]:
         outcome.fx_bypasses = delta(fx, fx_before, "fxgraph_cache_bypass")
         if outcome.aot is AotCache.BYPASS and handler.errors:
             outcome.reason = _first_line(handler.errors[-1])
+
+
+def aot_cache_off() -> contextlib.AbstractContextManager:
+    """AOTAutogradCache neither read nor written by the compiles inside the block.
+
+    Mirrors `torch._functorch.config.enable_autograd_cache`, which AOTAutograd reads at every compile
+    (`_aot_autograd/autograd_cache.py: should_use_local_autograd_cache`). The FX graph cache of Inductor's
+    inner compiles stays on: it keys the graphs AOTAutograd produced, numbers baked in included.
+    """
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(enable_autograd_cache=False)

@@ -9,14 +9,16 @@ compile_core/reuse/compile_once.py's business (Note [Compile once]).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
 from aot import GraphPair, aot_compile, nop_compiler
+from aot.structure import reads_tensor_values
 from aot.torch_dynamo import RestartAnalysis, non_lazy_backward
-from aot.torch_dynamo_cache import CacheOutcome, watch_caches
+from aot.torch_dynamo_cache import CacheOutcome, aot_cache_off, watch_caches
 from aot.torch_graphs import inline_nested_regions
 from compile_core.config import CompileConfig
 from compile_core.report import CompileLog
@@ -111,8 +113,11 @@ class PieceCompiler:
             )
         pair = GraphPair(name=name)
         # The backward is compiled with the forward: the cache entry is complete at once, and one
-        # compiled piece can serve several identical pieces (Note [Compile once]).
-        with non_lazy_backward(), watch_caches() as cache:
+        # compiled piece can serve several identical pieces (Note [Compile once]). A graph that reads
+        # a tensor's value (Note [Structural keys]) stays out of AOTAutograd's cache: on torch 2.13
+        # its entry, keyed and guarded without that value, was found again for another value.
+        value_bound = aot_cache_off() if reads_tensor_values(gm) else contextlib.nullcontext()
+        with non_lazy_backward(), value_bound, watch_caches() as cache:
             if backend == "aot_eager":
                 compiled = aot_compile(
                     gm,

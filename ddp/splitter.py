@@ -238,6 +238,7 @@ class DDPSplitter:
             self.on_graph(SplitGraph(name=name, plan=plan, pieces=1, params=params))
             return compiled
         piece_of = plan.piece_of()
+        _recompute_floats_across_cuts(gm, piece_of)
         split_gm = split_module(gm, None, lambda node: piece_of[node.name], keep_original_order=True)
         log.debug("%s split into %d pieces:\n%s", name, plan.num_pieces, split_gm.graph)
         pieces = _FakeRun(split_gm, name).run_pieces(example_inputs)
@@ -253,6 +254,66 @@ class DDPSplitter:
         self.graph_count += 1  # counted once compiled: Dynamo may restart a trace and call us again
         self.on_graph(SplitGraph(name=name, plan=plan, pieces=plan.num_pieces, params=params, restrided=restrided))
         return split_gm
+
+
+_NUMBER_OPS = ("_operator", "math")
+"""Modules whose functions, applied to numbers, have no side effect (Dynamo records Python arithmetic on
+numbers as `operator.*` calls)."""
+
+
+def _recompute_floats_across_cuts(gm: fx.GraphModule, piece_of: dict[str, int]) -> None:
+    """Recompute, in the piece that uses it, a float that an earlier piece computed.
+
+    Stochastic depth's `survival = 1.0 - self.p` is a float in the graph: computed from `p.item()`
+    while Dynamo keeps `p` as a 0-d tensor, or from a constant once it specialized it. A cut between
+    that node and a later use would make the float a piece output, and Inductor takes no float among a
+    graph's outputs: the piece fell back to aot_eager, and the tensorified form, which AOTAutograd
+    turns back into tensor math only within one graph, made Dynamo trace the whole graph again with
+    `p` as a constant. Instead each piece that needs the float gets its own copy of the arithmetic
+    (and of the `.item()` it starts from, whose tensor then crosses the cut instead of the float).
+    Floats computed any other way stay piece outputs, as before.
+    """
+    copies: dict[tuple[fx.Node, int], fx.Node] = {}
+
+    def recomputable(node: fx.Node) -> bool:
+        if node.op in ("placeholder", "get_attr"):
+            return True  # any piece can take it as an input
+        if node.op == "call_method" and node.target == "item" and len(node.args) == 1 and not node.kwargs:
+            tensor = node.args[0]  # read again later: only if nothing writes it in place
+            return not any(
+                u.op == "call_method" and str(u.target).endswith("_") and u.args[0] is tensor for u in tensor.users
+            )
+        if node.op != "call_function" or getattr(node.target, "__module__", None) not in _NUMBER_OPS:
+            return False
+        return all(recomputable(a) for a in [*node.args, *node.kwargs.values()] if isinstance(a, fx.Node))
+
+    def copy_into(node: fx.Node, piece: int, before: fx.Node) -> fx.Node:
+        if node.op in ("placeholder", "get_attr"):
+            return node
+        key = (node, piece)
+        if key not in copies:
+            # An `.item()` keeps its tensor (which then crosses the cut); arithmetic copies its operands.
+            keep = node.op == "call_method"
+            with gm.graph.inserting_before(before):
+                copied = gm.graph.node_copy(node, lambda a: a if keep else copy_into(a, piece, before))
+            piece_of[copied.name] = piece
+            copies[key] = copied
+        return copies[key]
+
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_function", "call_method") or node.name not in piece_of:
+            continue
+        if not isinstance(node.meta.get("example_value"), (float, torch.SymFloat)) or not recomputable(node):
+            continue
+        for user in list(node.users):
+            piece = piece_of.get(user.name)
+            if piece is None or piece == piece_of[node.name]:
+                continue
+            user.replace_input_with(node, copy_into(node, piece, user))
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 @dataclasses.dataclass

@@ -60,7 +60,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from aot.structure import structural_key
+from aot.structure import reads_tensor_values, structural_key
 from aot.torch_dynamo_cache import AotCache
 from compile_core import progress
 from compile_core.reuse.claims import CompileClaims, Holder, WaitEnd
@@ -326,7 +326,9 @@ class CompileOnce:
     # -- keys, claims, pair sizes ------------------------------------------------------------------
 
     def _key(self, job: Job, extra: tuple, reuse: bool) -> str | None:
-        if not reuse and not self.use_claims:
+        if (not reuse and not self.use_claims) or reads_tensor_values(job.gm):
+            # A graph that reads a tensor's value may compile to code for that value (Note
+            # [Structural keys]): nothing shares its compile, and every rank compiles it itself.
             return None
         autocast = tuple(
             (device, torch.is_autocast_enabled(device), str(torch.get_autocast_dtype(device)))

@@ -294,6 +294,24 @@ def test_watch_caches_finds_why_the_aot_cache_was_bypassed(tmp_path, monkeypatch
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+@pytest.mark.inductor
+def test_aot_cache_off_keeps_a_compile_out_of_the_aot_cache(tmp_path, monkeypatch):
+    from aot.torch_dynamo_cache import AotCache, aot_cache_off
+
+    with canary("aot/torch_dynamo_cache.py:aot_cache_off"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        w = torch.randn(4, requires_grad=True)
+        outcomes = []
+        backend = _inductor_recording_cache_outcomes(outcomes)
+        for _ in range(2):
+            torch._dynamo.reset()
+            with aot_cache_off():
+                torch.compile(lambda x: (x * w * 2.5).sin().sum(), backend=backend)(torch.randn(4)).backward()
+        assert [o.aot for o in outcomes] == [AotCache.UNUSED, AotCache.UNUSED], outcomes  # neither saved nor found
+        assert outcomes[1].fx_hits >= 1  # Inductor's own FX graph cache stays on
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_optimizer_step_hooks_are_counted():
     with canary("aot/torch_eager.py:optimizer_step_hooks"):
         opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
