@@ -149,6 +149,8 @@ class InBackwardController:
         if outcome.hook_ran:
             self.updates.advance_steps(outcome.used_up)
             self.updates_in_backward += 1
+            if outcome.stop_reason is not None:
+                self._stop(outcome.stop_reason)  # this update is done (the rest by the normal step); not the next
             return True
         self._stop(outcome.hook_reason or "the compiled graph did not update the parameters")
         return False

@@ -138,8 +138,15 @@ class SplicedUpdates:
         last_update: dict[int, fx.Node] = {}  # bucket position -> the last node of its parameters' update
 
         def last_reader(bucket: IssuedBucket) -> fx.Node:
-            saved = [input_node(i) for i in bucket.input_indices if i in updates.templates]
-            readers = [u for node in saved for u in node.users if u in ours and u is not output]
+            # Through views: `addmm(g, t(weight))` reads the weight where the addmm runs, not at the `t`.
+            pending = [u for i in bucket.input_indices if i in updates.templates for u in input_node(i).users]
+            readers = []
+            while pending:
+                node = pending.pop()
+                if node in ours and node is not output:
+                    readers.append(node)
+                    if getattr(node.target, "is_view", False):
+                        pending.extend(node.users)
             return max(readers, key=order.__getitem__, default=bucket.reduced)
 
         def finish(k: int, bucket: IssuedBucket, views: tuple[tuple[int, fx.Node], ...], scale: Any = None) -> None:
@@ -166,10 +173,14 @@ class SplicedUpdates:
             # The global norm needs every reduced gradient: all buckets land first, as in
             # `clip_grad_norm_` (norm of the per-gradient norms, coefficient clamped at 1).
             with graph.inserting_before(output):
-                views = [backward.wait_and_split(b).views for b in backward.buckets]
+                landed = [backward.wait_and_split(b) for b in backward.buckets]
+                views = [one.views for one in landed]
                 coef = _clip_coefficient(builder, [v for b in views for _, v in b], updates.clip_max_norm, norm_node)
                 for k, (bucket, bucket_views) in enumerate(zip(backward.buckets, views)):
                     finish(k, bucket, bucket_views, coef)
+            # Every update comes after every wait, and each wait after the last read of its bucket's
+            # parameters (see below).
+            order_after(graph, {one.wait: [last_reader(b)] for one, b in zip(landed, backward.buckets)})
             return
         end = output.prev  # the backward's own last node, before any update is added
         by_issue = sorted(range(len(backward.buckets)), key=lambda k: order[backward.buckets[k].reduced])
@@ -194,11 +205,15 @@ class SplicedUpdates:
             previous = (position, marker.prev)
             graph.erase_node(marker)
         # Inductor's scheduler may otherwise sink a wait below a later bucket's update: pin the pipeline
-        # order issue(k+1) -> wait(k) -> update(k) -> wait(k+1).
+        # order issue(k+1) -> wait(k) -> update(k) -> wait(k+1). It may also sink a read of a parameter
+        # below that parameter's update, when nothing after needs the read soon (the gradient of a graph
+        # input, returned at the end: the layer before a graph break got it computed with the updated
+        # weight); the update follows its bucket's wait, so the wait is pinned after the last read too.
         deps: dict[fx.Node, list[fx.Node]] = {}
         for n, k in enumerate(by_issue):
             ahead = n + updates.lookahead if updates.lookahead is not None else len(by_issue)
             after = [backward.buckets[by_issue[ahead]].reduced] if ahead < len(by_issue) else [end]
+            after.append(last_reader(backward.buckets[k]))
             if n > 0 and by_issue[n - 1] in last_update:
                 after.append(last_update[by_issue[n - 1]])
             deps[waits[k]] = after

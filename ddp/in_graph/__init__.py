@@ -7,6 +7,7 @@
 * `runtime.py` -- `InGraphReducer`: DDP's semantics around it (no_sync, buffers, the end of the backward);
 * `accumulated.py` -- gradients accumulated under no_sync, handed to the synchronising graph (moved or lent);
 * `variants.py` -- which compiled variant a step runs (and the guard on it), the ranks' agreement on its graphs;
+* `hooked_runs.py` -- when a graph compiled with the hook runs uncompiled (other parameters, another variant);
 * `policy.py` -- which reduction a comm hook asks for (compiled in, or left to DDP's reducer);
 * `probe.py` -- finds parameters with gradient producers outside a single compiled graph;
 * `after_backward.py` -- which parameters are left to the reduction after the backward (outside, hooked);

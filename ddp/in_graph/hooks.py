@@ -222,6 +222,9 @@ class StepOutcome:
     """The ids of the parameters whose gradient a hook used up in this step's backward (empty: none)."""
     hook_reason: str | None
     """Why the last graph compiled in a hooked variant does not use its hook (None: it does)."""
+    stop_reason: str | None
+    """Why no synchronising step may have the hook again (a hooked graph ran for other parameters than
+    those it was compiled for: that run went uncompiled); None: nothing stops it."""
     skipped: tuple[str, ...]
     """Planned parameters the last hooked graph leaves alone (their gradient is returned)."""
     graphs: int

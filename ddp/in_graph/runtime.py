@@ -62,6 +62,7 @@ from ddp.agreement import RankAgreement
 from ddp.bucketing.grad_buckets import GradBucketPlan
 from ddp.in_graph.accumulated import AccumulatedGradients
 from ddp.in_graph.after_backward import AfterBackward, graph_buckets
+from ddp.in_graph.hooked_runs import HookedRuns
 from ddp.in_graph.hooks import BackwardHook, GraphInputs, GraphToCompile, HookedGraph, StepOutcome
 from ddp.in_graph.leftovers import LeftoverReducer
 from ddp.in_graph.partitioner import InGraphPartitioner
@@ -133,6 +134,7 @@ class InGraphReducer:
         self._hook: BackwardHook | None = None  # `begin_step`'s: used by the synchronising forwards after it
         self._hook_reason: str | None = None  # why the last graph compiled with the hook does not use it
         self._skipped: tuple[str, ...] = ()  # planned parameters the last hooked graph leaves alone
+        self._hooked_runs = HookedRuns()  # when a graph compiled with the hook runs uncompiled
         self.released_bytes: int | None = None
         """Bytes of DDP's gradient buckets released at the first synchronising step (None: kept)."""
         self.graphs_last_step = 0
@@ -154,6 +156,7 @@ class InGraphReducer:
         return StepOutcome(
             used_up=frozenset(self._consumed),
             hook_reason=self._hook_reason,
+            stop_reason=self._hooked_runs.stop_reason,
             skipped=self._skipped,
             graphs=self.graphs_last_step,
             reduced_after=tuple(self.last_leftovers),
@@ -345,8 +348,14 @@ class InGraphReducer:
             entry = (tuple(b.params for b in plan.buckets), str(self.reduction.wire_dtype))
             covered = frozenset(id(inputs[i]) for i in plan.input_indices())
             consumed = frozenset(id(inputs[i]) for i in hook.consumed)
+            compiled_for = [(i, inputs[i]) for i in sorted(plan.input_indices())]
+            uncompiled = inline_nested_regions(original).forward if consumed else None
 
             def run(*args: Any) -> Any:
+                if uncompiled is not None and not self._hooked_runs.may_run_compiled(
+                    name, compiled_in=variant, variant=self.variant, args=args, compiled_for=compiled_for
+                ):
+                    return uncompiled(*args)  # ddp/in_graph/hooked_runs.py
                 if produce is not None:
                     args = (*args, *produce())
                 out = compiled(*args)

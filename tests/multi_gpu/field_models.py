@@ -95,6 +95,53 @@ class TiedAcrossBreak(nn.Module):
         return self.head(torch.tanh(self.shared(h)))
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        x = x + self.fc1(x)
+        return x + self.fc2(torch.tanh(x))
+
+
+class ResidualAcrossBreak(nn.Module):
+    """Two residual blocks with a graph break between them: the second graph's backward returns the gradient
+    of its input, read through `fc1.weight`'s transpose, which nothing after it in that backward needs, so
+    Inductor may schedule it last; the update of `fc1.weight` inside that backward must wait for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = _Residual(), _Residual()
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, x):
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.head(self.second(x))
+
+
+class BlocksWithBreaks(nn.Module):
+    """`n` identical residual blocks, the graph broken after each (a log line, a data-dependent check in the
+    loop): Dynamo compiles the loop's resume once and runs that one graph for every block after the first,
+    each time with that block's parameters; and the backward of each graph after a break returns the
+    gradient of its input, which reads the block's weights (`fc1`'s, through a transpose)."""
+
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"fc1": nn.Linear(WIDTH, WIDTH), "fc2": nn.Linear(WIDTH, WIDTH)}) for _ in range(n)
+        )
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block["fc1"](x)
+            x = x + block["fc2"](torch.tanh(x))
+            torch._dynamo.graph_break()
+        return self.head(x)
+
+
 class _BrokenBody(nn.Module):
     """Two layers with a graph break between them; called with the caller's `shared` layer as an argument."""
 

@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tests.multi_gpu.ddp_compare import ok, run_scenarios
 from tests.multi_gpu.field_models import (
     FROZEN_UNTIL,
+    BlocksWithBreaks,
     Branchy,
     Halve,
     Headed,
@@ -209,6 +210,7 @@ SCENARIOS = {
     "tied_across_graph_break": lambda r: _step(r, _script(make_model=TiedAcrossBreak, make_opt=adamw)),
     "tied_across_graph_break_clip": lambda r: _step(r, _script(make_model=TiedAcrossBreak, make_opt=sgd, clip=0.05)),
     "shared_after_nested_break": lambda r: _step(r, _script(make_model=SharedAfterNestedBreak, make_opt=adamw)),
+    "blocks_with_breaks": lambda r: _step(r, _script(make_model=BlocksWithBreaks, make_opt=adamw)),
     "momentum_cleared_at_update_3": lambda r: _step(
         r, _script(make_opt=sgd_momentum_foreach, before_step_opt=clear_optimizer_state_at_update_3)
     ),
@@ -319,6 +321,21 @@ def test_a_layer_shared_with_a_graph_after_a_nested_frame_is_left_to_the_normal_
     assert iob["active"] and iob["updates_in_backward"] == UPDATES - 1, iob
     assert iob["not_updated_in_backward"] == ["shared.weight", "shared.bias"], iob
     assert per_rank[0]["report"]["in_graph"]["outside_graph"] == ["shared.bias", "shared.weight"]
+
+
+def test_one_graph_run_for_several_blocks_hands_the_update_back_to_the_normal_step(results):
+    """A graph break in the loop over identical blocks: Dynamo skips the loop's frame and compiles each layer's
+    own frame, one graph that then runs for every later layer of that shape, with that layer's parameters.
+    Its backward would update them with the optimizer state of the layer it was compiled for (before: update
+    2 stopped with "received no gradient"). That call runs uncompiled, the update leaves the backward after
+    update 2, and the graphs compiled with updates run uncompiled in the later steps, whose frames Dynamo
+    does not compile again (before, with that fixed alone: Adam's step counts stayed behind)."""
+    per_rank = ok(results, "blocks_with_breaks")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    for r in per_rank:
+        iob = _iob(r)
+        assert not iob["active"] and iob["from_update"] == 2 and iob["updates_in_backward"] == 1, iob
+        assert "runs for the parameters of several modules" in iob["reason"], iob
 
 
 def test_a_branch_one_rank_took_in_update_1_is_updated_inside_the_backward_on_every_rank(results):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.multi_gpu.ddp_compare import ok, run_scenarios
-from tests.multi_gpu.field_models import Mixed, Regioned, aux_on_head_bias
+from tests.multi_gpu.field_models import Mixed, Regioned, ResidualAcrossBreak, aux_on_head_bias
 from tests.multi_gpu.test_in_backward_field_multirank import (
     UPDATES,
     _script,
@@ -65,6 +65,9 @@ SCENARIOS = {
     "sgd_momentum_clip": lambda r: _inductor(r, _script(make_opt=sgd_momentum_foreach, clip=0.05)),
     # a bf16 layer between fp32 ones, AdamW as the user builds it (not fused=True)
     "mixed_dtypes_adamw": lambda r: _inductor(r, _script(make_model=Mixed, make_opt=adamw)),
+    "residual_across_break": lambda r: _inductor(
+        r, _script(make_model=ResidualAcrossBreak, make_opt=sgd_momentum_foreach)
+    ),
 }
 
 
@@ -120,3 +123,13 @@ def test_bf16_parameters_take_torchs_fused_kernel_under_inductor(results):
     for r in per_rank:
         iob = r["report"]["optimizer_in_backward"]
         assert iob["fused_kernel_groups"] == [0] and iob["update_graph_groups"] == [], iob
+
+
+def test_the_gradient_a_graph_returns_for_its_input_is_taken_before_the_weights_it_reads_are_updated(results):
+    """The graph after the break returns its input's gradient, `g @ fc1.weight` (through a transpose), which
+    nothing else in that backward needs; Inductor scheduled it after the fused kernel had updated `fc1.weight`,
+    and the first block trained on that gradient (failed before: `first.fc1.weight` off eager's). The update
+    is placed, and pinned, after every read of its parameters, views followed."""
+    per_rank = ok(results, "residual_across_break")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    _assert_updated_inside_by_inductors_kernel(per_rank, kept=4)  # first.*: its graph ends at the break
