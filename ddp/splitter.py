@@ -11,7 +11,8 @@ Algorithm: for every graph Dynamo hands us
      blocks when the model has them (ddp/bucketing/repeats.py), so that their pieces are alike;
   2. one bucket: compile the graph whole. Several: `split_module` cuts it into one submodule per
      bucket, keeping the original node order (so in-place ops stay where they were) and re-entering
-     autocast / grad-mode regions that cross a cut in each piece;
+     autocast / grad-mode regions that cross a cut in each piece; a float computed before a cut and
+     used after it is computed again in the piece that uses it (`_recompute_floats_across_cuts`);
   3. run the split graph once on fake inputs, piece by piece, which gives every piece the metadata
      of its inputs (shapes, strides, symbolic sizes, requires_grad), and hand all pieces to
      `compile_pieces` at once: it may compile identical pieces once, and in any order. Every piece

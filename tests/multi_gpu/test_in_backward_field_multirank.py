@@ -332,6 +332,7 @@ def test_one_graph_run_for_several_blocks_hands_the_update_back_to_the_normal_st
     does not compile again (before, with that fixed alone: Adam's step counts stayed behind)."""
     per_rank = ok(results, "blocks_with_breaks")
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    # (torch 2.13; on 2.11, seen once, no graph of update 2 updated at all: the same end, like eager)
     for r in per_rank:
         iob = _iob(r)
         assert not iob["active"] and iob["from_update"] == 2 and iob["updates_in_backward"] == 1, iob
