@@ -85,6 +85,15 @@ class InGraphPartitioner:
         self.on_partitioned(after)
         return forward, backward
 
+    def inductor_requirements(self) -> dict[str, object]:
+        """Inductor options this graph is wrong without (inductor/compilers.py lets them overrule the user's).
+
+        With work after the all-reduces (the optimizer update inside the backward), no layout optimization:
+        with it, Inductor hands a convolution's weight to the backward as a copy in channels-last order, the
+        tensor the update then writes, and the parameter itself kept its old value (HF Swin's patch embedding
+        missed every update from update 2 on, CPU, torch 2.13)."""
+        return {} if self.after_reduce is None else {"layout_optimization": False}
+
     def uuid(self) -> str:
         plan = [(b.params, b.input_indices, b.nbytes, b.key) for b in self.plan.buckets]
         hook = None if self.after_reduce is None else self.after_reduce.cache_key()

@@ -95,6 +95,19 @@ class TiedAcrossBreak(nn.Module):
         return self.head(torch.tanh(self.shared(h)))
 
 
+class ConvStem(nn.Module):
+    """A convolution stem before a head (a ResNet's or a ViT's patch embedding, in small): Inductor on a CPU with
+    oneDNN (and on a GPU for most training graphs) runs convolutions channels-last, converting the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, kernel_size=2, stride=2)
+        self.head = nn.Linear(8 * 2 * 2, OUT)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x.view(-1, 4, 4, 4))).flatten(1))
+
+
 class _Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()

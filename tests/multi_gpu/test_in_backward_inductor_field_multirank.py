@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.multi_gpu.ddp_compare import ok, run_scenarios
-from tests.multi_gpu.field_models import Mixed, Regioned, ResidualAcrossBreak, aux_on_head_bias
+from tests.multi_gpu.field_models import ConvStem, Mixed, Regioned, ResidualAcrossBreak, aux_on_head_bias
 from tests.multi_gpu.test_in_backward_field_multirank import (
     UPDATES,
     _script,
@@ -65,6 +65,7 @@ SCENARIOS = {
     "sgd_momentum_clip": lambda r: _inductor(r, _script(make_opt=sgd_momentum_foreach, clip=0.05)),
     # a bf16 layer between fp32 ones, AdamW as the user builds it (not fused=True)
     "mixed_dtypes_adamw": lambda r: _inductor(r, _script(make_model=Mixed, make_opt=adamw)),
+    "conv_stem": lambda r: _inductor(r, _script(make_model=ConvStem, make_opt=adamw)),
     "residual_across_break": lambda r: _inductor(
         r, _script(make_model=ResidualAcrossBreak, make_opt=sgd_momentum_foreach)
     ),
@@ -133,3 +134,12 @@ def test_the_gradient_a_graph_returns_for_its_input_is_taken_before_the_weights_
     per_rank = ok(results, "residual_across_break")
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
     _assert_updated_inside_by_inductors_kernel(per_rank, kept=4)  # first.*: its graph ends at the break
+
+
+def test_a_convolution_weight_is_updated_itself_not_a_channels_last_copy(results):
+    """Inductor's layout optimization handed the backward a channels-last copy of `conv.weight`; the update
+    inside the backward wrote the copy and the weight itself missed every update from update 2 on (failed before:
+    `conv.weight` off eager's). Graphs with updates inside the backward compile without it."""
+    per_rank = ok(results, "conv_stem")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    _assert_updated_inside_by_inductors_kernel(per_rank, kept=0)
