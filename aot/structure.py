@@ -70,6 +70,30 @@ def reads_tensor_values(gm: fx.GraphModule) -> bool:
     return False
 
 
+def compiles_statically(gm: fx.GraphModule, example_inputs: Iterable[Any]) -> bool:
+    """Whether compiling `gm` with real inputs of the same shapes, outside Dynamo's tracing context, gives the
+    code Dynamo's call would: no symbolic size, stride or number among its inputs or in its traced values, and
+    no tensor value read into a number (AOTAutograd would bake this run's value into the code)."""
+    if reads_tensor_values(gm):
+        return False
+    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    for value in example_inputs:
+        if isinstance(value, symbolic) or (isinstance(value, torch.Tensor) and _has_symbols(value)):
+            return False
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        for leaf in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(leaf, symbolic) or (isinstance(leaf, torch.Tensor) and _has_symbols(leaf)):
+                return False
+    return True
+
+
+def _has_symbols(t: torch.Tensor) -> bool:
+    if t.layout != torch.strided:
+        return any(isinstance(s, torch.SymInt) for s in t.shape)
+    return any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride(), t.storage_offset()))
+
+
 def structural_lines(gm: fx.GraphModule, example_inputs: Iterable[Any], extra: Iterable[Any] = ()) -> list[str]:
     lines = [f"extra {value!r}" for value in extra]
     lines += _graph_lines(gm, "")

@@ -245,6 +245,29 @@ def traced_fake_mode(example_inputs: list) -> Any:
     return detect_fake_mode(example_inputs)
 
 
+@contextlib.contextmanager
+def static_tracing() -> Iterator[Callable[[list], list]]:
+    """A tracing context for compiling a captured graph again after Dynamo's call returned, on real inputs
+    of fixed shapes; yields `fakeify(inputs)`: the compile's example inputs, static fakes of its mode.
+
+    Mirrors what Dynamo sets up around a backend (`torch._guards.tracing(TracingContext(fake_mode))`,
+    `_dynamo/output_graph.py`) with a FakeTensorMode of its own that has a ShapeEnv but no symbols:
+    AOTAutograd and Inductor bypass their caches without a ShapeEnv ("No shape env"), and would give each
+    real input a fresh size symbol per dimension with one (`_aot_autograd/frontend_utils.py:
+    process_inputs`), which static fakes do not get."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fakeify(inputs: list) -> list:
+        return [static_example(mode, x) if isinstance(x, torch.Tensor) else x for x in inputs]
+
+    with tracing(TracingContext(mode)):
+        yield fakeify
+
+
 def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:
     """Dynamo's guard against user saved-tensor hooks while a backend traces (`_dynamo/utils.py`)."""
     return torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()

@@ -36,7 +36,8 @@ from compile_core.report import CompileLog, GraphEntry
 from ddp import torch_ddp
 from ddp.agreement import RankAgreement
 from ddp.alignment import ReducerAlignment
-from ddp.in_graph import InGraphReducer, guard_variant_in, in_graph_blocker
+from ddp.bucketing.grad_buckets import GradBucketPlan
+from ddp.in_graph import GraphLog, InGraphReducer, guard_variant_in, in_graph_blocker
 from ddp.splitter import DDPSplitter, SplitGraph, SplitterConfig
 
 
@@ -225,7 +226,7 @@ class InGraphMode(CompileMode):
             first_bucket_cap_bytes=ctx.first_cap_bytes,
             agreement=ctx.agreement,
             reduce_dtype=ctx.config.reduce_dtype,
-            lend_accumulated=not (ctx.config.backend == "inductor" and ctx.config.inductor_settings().cuda_graphs),
+            cuda_graphs=ctx.config.backend == "inductor" and ctx.config.inductor_settings().cuda_graphs,
         )
 
     def _alignment(self) -> ReducerAlignment:
@@ -241,13 +242,14 @@ class InGraphMode(CompileMode):
         return self._reducer
 
     def backend(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-        log = self.ctx.log
-        name = f"graph_{len(log.graphs)}"
-        after: list[str] = []
-        compiled, plan = self._reducer.compile(gm, example_inputs, name, self.ctx.pieces, after.extend)
+        graphs = GraphLog(new_name=lambda: f"graph_{len(self.ctx.log.graphs)}", record=self._record)
+        return self._reducer.compile(gm, example_inputs, self.ctx.pieces, graphs)
+
+    def _record(self, name: str, plan: GradBucketPlan | None, after: list[str]) -> None:
         buckets = [] if plan is None else [b.to_dict() for b in plan.buckets]
         for bucket, op in zip(buckets, after or ["(compiled artifact from cache)"] * len(buckets)):
             bucket["after"] = op
+        log = self.ctx.log
         with log.lock:
             log.graphs.append(
                 GraphEntry(
@@ -260,7 +262,6 @@ class InGraphMode(CompileMode):
                     grad=torch.is_grad_enabled(),
                 )
             )
-        return compiled
 
     def install(self, model: torch.nn.Module, inner: torch.nn.Module, events: CompileEvents) -> None:
         guard_variant_in(inner, self._reducer)

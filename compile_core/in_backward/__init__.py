@@ -71,12 +71,13 @@ too, nor one that update 1's eager step took in more ops than the graph holds (a
 sides of a break, as tied embeddings are, also where a submodule's frame compiles on its own and its
 caller's graph follows: its gradient is the sum of both backwards; ddp/in_graph/probe.py, Note
 [Counting a parameter's uses]). One graph that Dynamo runs for several blocks' parameters (a break in the
-loop over the blocks makes it skip the loop's frame and compile each layer's frame once) could only update the
-parameters it was compiled for: those runs go uncompiled and the updates leave the backward after that
-update (ddp/in_graph/hooked_runs.py). Each bucket's update comes after every read of its parameters by the
-backward, through views (`addmm(g, t(weight))`), and its wait is pinned there: the gradient a graph returns
-for its input reads the weights and nothing after it needs it soon, so Inductor had scheduled it after the
-update. A parameter
+loop over the blocks makes it skip the loop's frame and compile each layer's frame once) can only update the
+parameters it was compiled for: each other block's run gets the graph compiled with its own update
+(ddp/in_graph/dispatch.py); where it cannot be compiled again (dynamic shapes, CUDA graphs) those runs go
+uncompiled and the updates leave the backward after that update (ddp/in_graph/hooked_runs.py). Each
+bucket's update comes after every read of its parameters by the backward, through views
+(`addmm(g, t(weight))`), and its wait is pinned there: the gradient a graph returns for its input reads the
+weights and nothing after it needs it soon, so Inductor had scheduled it after the update. A parameter
 the backward does not update (reduced after the backward because something outside the graph adds
 to its gradient, ignored by DDP, or without optimizer state yet because it had no gradient so far)
 keeps its gradient and is updated by the normal `optimizer.step()` right after the backward, in the same

@@ -152,7 +152,11 @@ class InBackwardController:
             if outcome.stop_reason is not None:
                 self._stop(outcome.stop_reason)  # this update is done (the rest by the normal step); not the next
             return True
-        self._stop(outcome.hook_reason or "the compiled graph did not update the parameters")
+        if outcome.hook_reason is None and outcome.graphs == 0:
+            # torch 2.11: a graph break inside the loop over the blocks, and Dynamo compiled no frame of the model
+            self._stop("no compiled graph ran in the forward (Dynamo ran the model eagerly); the update stays after it")
+        else:
+            self._stop(outcome.hook_reason or "the compiled graph did not update the parameters")
         return False
 
     def _stop(self, reason: str) -> None:

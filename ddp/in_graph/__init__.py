@@ -7,7 +7,8 @@
 * `runtime.py` -- `InGraphReducer`: DDP's semantics around it (no_sync, buffers, the end of the backward);
 * `accumulated.py` -- gradients accumulated under no_sync, handed to the synchronising graph (moved or lent);
 * `variants.py` -- which compiled variant a step runs (and the guard on it), the ranks' agreement on its graphs;
-* `hooked_runs.py` -- when a graph compiled with the hook runs uncompiled (other parameters, another variant);
+* `dispatch.py` -- what Dynamo runs for a graph: per variant, the graph compiled for it (where Dynamo does not guard);
+* `hooked_runs.py` -- when a graph compiled with the hook runs uncompiled (one that cannot be compiled again);
 * `policy.py` -- which reduction a comm hook asks for (compiled in, or left to DDP's reducer);
 * `probe.py` -- finds parameters with gradient producers outside a single compiled graph;
 * `after_backward.py` -- which parameters are left to the reduction after the backward (outside, hooked);
@@ -19,6 +20,7 @@ from __future__ import annotations
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp import torch_ddp, torch_ddp_reducer
+from ddp.in_graph.dispatch import GraphLog
 from ddp.in_graph.hooks import BackwardHook, HookedGraph, StepOutcome
 from ddp.in_graph.runtime import InGraphReducer
 from ddp.in_graph.variants import VARIANTS, guard_variant_in
@@ -44,6 +46,7 @@ def in_graph_blocker(ddp: DistributedDataParallel) -> torch_ddp_reducer.DDPOptio
 __all__ = [
     "VARIANTS",
     "BackwardHook",
+    "GraphLog",
     "HookedGraph",
     "InGraphReducer",
     "StepOutcome",

@@ -1,6 +1,9 @@
 """When a graph compiled with the step's hook (its backward updates its parameters) must run uncompiled.
 
-Two runs of such a graph would apply updates that are not the step's (`HookedRuns.may_run_compiled`):
+Only for a graph that cannot be compiled again outside Dynamo's call (symbolic shapes, CUDA graphs: Note
+[A graph per variant, where Dynamo does not guard], ddp/in_graph/dispatch.py); any other gets a compile of
+its own for the run instead. Two runs of such a graph would apply updates that are not the step's
+(`HookedRuns.may_run_compiled`):
   * a run with other parameters than those it was compiled for. Dynamo compiles one graph for the frame of
     every repeated block (or layer) when a graph break inside the block's loop makes it skip the loop's
     frame, and runs it for each block with that block's parameters; its backward would update them with

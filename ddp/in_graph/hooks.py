@@ -38,24 +38,34 @@ from ddp.bucketing.grad_buckets import GradBucketPlan
 
 class GraphInputs:
     """The example inputs of a graph being compiled, and the inputs added to it: each added input has an
-    example (for the compile) and a producer called at every run of the graph, in the order it takes them."""
+    example (for the compile) and a producer called at every run of the graph, in the order it takes them.
+    A producer takes no argument, or the run's own inputs where it said so (`add(..., of_run=True)`)."""
 
     def __init__(self, examples: Sequence[Any]) -> None:
         self.examples: list[Any] = list(examples)
         self.fixed_address: list[bool] = []
         """Per added input, in order: whether its producer hands over the same tensor at every run."""
-        self._producers: list[tuple[Callable[[], Any], bool]] = []  # (producer, whether it makes a list)
+        self._producers: list[tuple[Callable[..., Any], str]] = []  # (producer, "one" | "many" | "of_run")
         self._fake_mode = traced_fake_mode(self.examples)
 
-    def add(self, example: torch.Tensor, make: Callable[[], torch.Tensor], *, fixed_address: bool = False) -> int:
+    def add(
+        self,
+        example: torch.Tensor,
+        make: Callable[..., torch.Tensor],
+        *,
+        fixed_address: bool = False,
+        of_run: bool = False,
+    ) -> int:
         """Append one input (`example` to compile with, `make` for every run); returns its index. The
         example is compiled with static shapes (`aot.torch_dynamo.static_example`: a graph may index it).
+        `of_run`: `make` is called with the run's own inputs (a graph Dynamo runs for the parameters of
+        several modules takes what belongs to this run's).
 
         `fixed_address`: `make` returns the same long-lived tensor at every run, which the graph may write in
         place (optimizer state). CUDA graphs then read and write it where it lives, as they do a parameter;
         an ordinary input is copied into the captured graph's own buffer at every replay, and an in-place
         write to that copy would never reach the tensor."""
-        self._producers.append((make, False))
+        self._producers.append((make, "of_run" if of_run else "one"))
         return self._append(example, fixed_address)
 
     def add_many(
@@ -68,7 +78,7 @@ class GraphInputs:
         """Append several inputs made by one call of `make` at every run (a list, in `examples`' order), as
         `add` does one: one Python call per run for all of them, not one each (hundreds of optimizer state
         tensors, each a call before every forward)."""
-        self._producers.append((make, True))
+        self._producers.append((make, "many"))
         return [self._append(example, fixed_address) for example in examples]
 
     def _append(self, example: torch.Tensor, fixed_address: bool) -> int:
@@ -81,12 +91,14 @@ class GraphInputs:
         """How many inputs were added."""
         return len(self.fixed_address)
 
-    def produce(self) -> list[torch.Tensor]:
-        """The added inputs for one run, in order."""
+    def produce(self, run_inputs: Sequence[Any]) -> list[torch.Tensor]:
+        """The added inputs for one run whose own inputs are `run_inputs`, in order."""
         out: list[torch.Tensor] = []
-        for make, many in self._producers:
-            if many:
+        for make, kind in self._producers:
+            if kind == "many":
                 out.extend(make())
+            elif kind == "of_run":
+                out.append(make(run_inputs))
             else:
                 out.append(make())
         return out

@@ -41,6 +41,11 @@ mismatched collectives stop with `RankMismatchError` naming the rank; a rank tha
 alone waits in the store, so no collective can pair wrongly, and the other ranks' collectives end
 with its error. Tied weights inside one graph are one input, reduced once.
 
+Where Dynamo's frames do not read the variant (a graph break inside the loop over a model's blocks), what
+Dynamo runs for a graph compiles it again for each variant it meets, and a graph Dynamo runs for several
+layers reduces (or updates) the parameters of each run: Note [A graph per variant, where Dynamo does not
+guard] (ddp/in_graph/dispatch.py).
+
 Debugging: `report()["in_graph"]` (reducer, comm hook, wire dtype, parameters reduced outside the
 graph, fallbacks); each graph's buckets name the backward op after which their all-reduce is issued.
 """
@@ -48,13 +53,14 @@ graph, fallbacks); each graph's buckets name the backward op after which their a
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.nn.parallel import DistributedDataParallel
 
+from aot.torch_dynamo import static_tracing
 from aot.torch_eager import tree_leaves
 from aot.torch_graphs import inline_nested_regions, with_extra_inputs
 from ddp import torch_ddp, torch_ddp_reducer
@@ -62,6 +68,14 @@ from ddp.agreement import RankAgreement
 from ddp.bucketing.grad_buckets import GradBucketPlan
 from ddp.in_graph.accumulated import AccumulatedGradients
 from ddp.in_graph.after_backward import AfterBackward, graph_buckets
+from ddp.in_graph.dispatch import (
+    EagerRun,
+    GraphLog,
+    GraphRun,
+    RunParams,
+    VariantDispatch,
+    compiled_again_for_variants,
+)
 from ddp.in_graph.hooked_runs import HookedRuns
 from ddp.in_graph.hooks import BackwardHook, GraphInputs, GraphToCompile, HookedGraph, StepOutcome
 from ddp.in_graph.leftovers import LeftoverReducer
@@ -88,8 +102,11 @@ class InGraphReducer:
         first_bucket_cap_bytes: int,
         agreement: RankAgreement,
         reduce_dtype: torch.dtype | None = None,
-        lend_accumulated: bool = True,
+        cuda_graphs: bool = False,
     ) -> None:
+        """`cuda_graphs`: the graphs are compiled for CUDA graphs (`mode="reduce-overhead"`), whose replay copies
+        ordinary graph inputs: accumulated gradients are not lent to them, and they are compiled only where Dynamo
+        asks (Note [A graph per variant, where Dynamo does not guard], ddp/in_graph/dispatch.py)."""
         self.ddp = ddp
         self.names = names
         self.caps = (bucket_cap_bytes, first_bucket_cap_bytes)
@@ -124,9 +141,9 @@ class InGraphReducer:
         self._new_variant = False
         self._had_grad: set[int] = set()  # covered params holding a .grad when the backward began
         self._eager_uses: dict[int, int] | None = None  # ops per parameter in an eager step (`after_eager_step`)
-        self.accumulated = AccumulatedGradients(self.params, lend=lend_accumulated)
-        """Gradients accumulated under no_sync, on their way into the synchronising graph (accumulated.py);
-        `lend_accumulated=False` under CUDA graphs."""
+        self._cuda_graphs = cuda_graphs
+        self.accumulated = AccumulatedGradients(self.params, lend=not cuda_graphs)
+        """Gradients accumulated under no_sync, on their way into the synchronising graph (accumulated.py)."""
         self._probe: OutsideGradientProbe | None = None
         self._armed = False
         self.sync_steps = 0
@@ -286,20 +303,43 @@ class InGraphReducer:
     # -- compiling -----------------------------------------------------------------------------------
 
     def compile(
+        self, gm: fx.GraphModule, example_inputs: list, compile_piece: CompileFn, graph_log: GraphLog
+    ) -> Callable[..., Any]:
+        """Compile one graph Dynamo captured, in the current variant; returns what Dynamo runs: the graph
+        compiled for the variant of each step it runs in (ddp/in_graph/dispatch.py)."""
+        if not compiled_again_for_variants(gm, example_inputs, cuda_graphs=self._cuda_graphs):
+            compiled = self._compile_in_variant(gm, list(example_inputs), compile_piece, graph_log, again=None)
+            return VariantDispatch(self, self.variant, compiled, None)
+
+        def again(args: list) -> Callable[..., Any]:
+            # For the variant of this step, or for the parameters of this run (`run` below), on its inputs.
+            with static_tracing() as fakeify:
+                return self._compile_in_variant(gm, args, compile_piece, graph_log, again=again, fakeify=fakeify)
+
+        compiled = self._compile_in_variant(gm, list(example_inputs), compile_piece, graph_log, again=again)
+        return VariantDispatch(self, self.variant, compiled, again)
+
+    def _compile_in_variant(
         self,
         gm: fx.GraphModule,
         example_inputs: list,
-        name: str,
         compile_piece: CompileFn,
-        on_partitioned: Callable[[list[str]], None],
-    ) -> tuple[Callable[..., Any], GradBucketPlan | None]:
-        """Compile one graph in the current variant; returns (callable for Dynamo, plan or None)."""
+        graph_log: GraphLog,
+        *,
+        again: Callable[[list], Callable[..., Any]] | None,
+        fakeify: Callable[[list], list] = list,
+    ) -> Callable[..., Any]:
+        """`example_inputs`: Dynamo's, or a run's (`fakeify` turns them into what the compile is handed);
+        `again(args)`: the same graph compiled for a run's inputs (None: it cannot be, see dispatch.py)."""
         self._compiled_this_step = True
+        name = graph_log.new_name()
+        after_ops: list[str] = []
         with self.agreement.busy():  # a rank waiting for this one in `GraphsAgreement.agree` waits on
             variant = self.variant
             if variant == "local":
-                compiled, _ = compile_piece(gm, list(example_inputs), name)
-                return compiled, None
+                compiled, _ = compile_piece(gm, fakeify(example_inputs), name)
+                graph_log.record(name, None, after_ops)
+                return compiled
             plan = graph_buckets(
                 gm,
                 example_inputs,
@@ -316,11 +356,10 @@ class InGraphReducer:
             if accumulates(variant):
                 for i in sorted(plan.input_indices()):
                     accumulated[i] = graph_inputs.add(
-                        torch.zeros_like(inputs[i]), lambda p=inputs[i]: self.accumulated.take(p)
+                        torch.zeros_like(inputs[i]), lambda run, i=i: self.accumulated.take(run[i]), of_run=True
                     )
             hook = self._hook_for(name, gm, graph_inputs, plan) if hooked(variant) else HookedGraph(None)
-            produce = graph_inputs.produce if graph_inputs.added else None  # the extra inputs of each run
-            if produce is not None:
+            if graph_inputs.added:
                 names = [f"ddp_compile_input_{k}" for k in range(graph_inputs.added)]
                 pinned = [k for k, fixed in enumerate(graph_inputs.fixed_address) if fixed]
                 gm = with_extra_inputs(gm, names, fixed_address=pinned)
@@ -331,9 +370,9 @@ class InGraphReducer:
                 wire_dtype=self.reduction.wire_dtype,
                 accumulated_input_of=accumulated,
                 after_reduce=hook.after_reduce,
-                on_partitioned=on_partitioned,
+                on_partitioned=after_ops.extend,
             )
-            compiled, used_aot = compile_piece(gm, inputs, name, partitioner=partitioner)
+            compiled, used_aot = compile_piece(gm, fakeify(inputs), name, partitioner=partitioner)
             if not used_aot:
                 # No AOT backward to put collectives in (the graph runs eagerly): its gradients are
                 # reduced after the backward. Say so: the user asked for reduction inside the backward.
@@ -344,25 +383,45 @@ class InGraphReducer:
                     name,
                     reason,
                 )
-                return inline_nested_regions(original).forward, None
-            entry = (tuple(b.params for b in plan.buckets), str(self.reduction.wire_dtype))
-            covered = frozenset(id(inputs[i]) for i in plan.input_indices())
-            consumed = frozenset(id(inputs[i]) for i in hook.consumed)
-            compiled_for = [(i, inputs[i]) for i in sorted(plan.input_indices())]
-            uncompiled = inline_nested_regions(original).forward if consumed else None
+                graph_log.record(name, None, after_ops)
+                return inline_nested_regions(original).forward
+            graph_log.record(name, plan, after_ops)
+            return GraphRun(
+                self,
+                name=name,
+                variant=variant,
+                compiled=compiled,
+                produce=graph_inputs.produce if graph_inputs.added else None,
+                plan=plan,
+                inputs=inputs,
+                consumed=frozenset(id(inputs[i]) for i in hook.consumed),
+                wire=str(self.reduction.wire_dtype),
+                eager=EagerRun(original),
+                again=again,
+            )
 
-            def run(*args: Any) -> Any:
-                if uncompiled is not None and not self._hooked_runs.may_run_compiled(
-                    name, compiled_in=variant, variant=self.variant, args=args, compiled_for=compiled_for
-                ):
-                    return uncompiled(*args)  # ddp/in_graph/hooked_runs.py
-                if produce is not None:
-                    args = (*args, *produce())
-                out = compiled(*args)
-                self._runs.append((entry, covered, consumed, out))
-                return out
+    # -- the contract with a compiled graph's runs (ddp/in_graph/dispatch.py: RunSite) -----------------
 
-            return run, plan
+    def params_of_run(self, plan: GradBucketPlan, args: Sequence[Any], wire: str) -> RunParams | None:
+        """The parameters a graph reduces when Dynamo runs it with `args` (another module's parameters than
+        those it was compiled for); None when some of them are not the reducer's to reduce in a graph (DDP
+        ignores them, they have gradient hooks, they are not DDP's): the graph must not all-reduce them."""
+        params = [args[i] for i in sorted(plan.input_indices())]
+        for p in params:
+            if id(p) not in self._by_id or id(p) in self.after or torch_ddp.has_gradient_hooks(p):
+                return None
+        entry = tuple(tuple(self.names[id(args[i])] for i in b.input_indices) for b in plan.buckets)
+        return RunParams(entry=(entry, wire), covered=frozenset(id(p) for p in params))
+
+    def may_run_compiled(
+        self, name: str, *, compiled_in: str, args: Sequence[Any], compiled_for: Sequence[tuple[int, torch.Tensor]]
+    ) -> bool:
+        return self._hooked_runs.may_run_compiled(
+            name, compiled_in=compiled_in, variant=self.variant, args=args, compiled_for=compiled_for
+        )
+
+    def ran(self, params: RunParams, consumed: frozenset[int], out: Any) -> None:
+        self._runs.append((params.entry, params.covered, consumed, out))
 
     def _hook_for(self, name: str, gm: fx.GraphModule, inputs: GraphInputs, plan: GradBucketPlan) -> HookedGraph:
         """What the step's hook does in this graph (it may add inputs); remembered for `step_outcome`."""

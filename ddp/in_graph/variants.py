@@ -61,7 +61,8 @@ def guard_variant_in(module: torch.nn.Module, holder: Any) -> None:
     The compiled entry alone would not do: after a graph break, Dynamo compiles the rest of the
     forward in frames of its own, which never read the variant and would run one variant's graph
     in all of them. Each submodule's call reads it in a pre-hook (Dynamo inlines the hook, so
-    compiled code pays nothing; eager code pays one Python call per module call).
+    compiled code pays nothing; eager code pays one Python call per module call). A frame that starts
+    below a module's call (a skipped loop's layers) runs the hook outside itself: ddp/in_graph/dispatch.py.
     """
     read = VariantRead(holder)
     for sub in module.modules():

@@ -323,20 +323,26 @@ def test_a_layer_shared_with_a_graph_after_a_nested_frame_is_left_to_the_normal_
     assert per_rank[0]["report"]["in_graph"]["outside_graph"] == ["shared.bias", "shared.weight"]
 
 
-def test_one_graph_run_for_several_blocks_hands_the_update_back_to_the_normal_step(results):
+def test_one_graph_run_for_several_blocks_updates_each_blocks_parameters_inside_the_backward(results):
     """A graph break in the loop over identical blocks: Dynamo skips the loop's frame and compiles each layer's
     own frame, one graph that then runs for every later layer of that shape, with that layer's parameters.
-    Its backward would update them with the optimizer state of the layer it was compiled for (before: update
-    2 stopped with "received no gradient"). That call runs uncompiled, the update leaves the backward after
-    update 2, and the graphs compiled with updates run uncompiled in the later steps, whose frames Dynamo
-    does not compile again (before, with that fixed alone: Adam's step counts stayed behind)."""
+    Its backward would update them with the optimizer state of the layer it was compiled for (session 57:
+    update 2 stopped with "received no gradient"). Each other layer's run gets the graph compiled with its own
+    update (ddp/in_graph/dispatch.py), and every update after the first runs inside the backward (before: the
+    update left the backward after update 2, and those frames, which never read the step's variant, ran
+    uncompiled from then on)."""
     per_rank = ok(results, "blocks_with_breaks")
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
-    # (torch 2.13; on 2.11, seen once, no graph of update 2 updated at all: the same end, like eager)
+    if not per_rank[0]["report"]["graphs"]:  # torch 2.11's Dynamo compiles no frame of this model
+        for r in per_rank:
+            assert not _iob(r)["active"] and "no compiled graph ran" in _iob(r)["reason"], _iob(r)
+        return
+    _assert_in_backward(per_rank)
     for r in per_rank:
-        iob = _iob(r)
-        assert not iob["active"] and iob["from_update"] == 2 and iob["updates_in_backward"] == 1, iob
-        assert "runs for the parameters of several modules" in iob["reason"], iob
+        assert _iob(r)["reason"] is None, _iob(r)
+        graphs = [g for g in r["report"]["graphs"] if g["variant"].startswith("reduce_update")]
+        updated = {n for g in graphs for b in g["buckets"] for n in b["params"]}
+        assert {"blocks.1.fc1.weight", "blocks.2.fc2.bias"} <= updated, graphs
 
 
 def test_a_branch_one_rank_took_in_update_1_is_updated_inside_the_backward_on_every_rank(results):

@@ -15,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from tests.multi_gpu.ddp_compare import ok, run_scenarios
 from tests.multi_gpu.field_models import (
+    BlocksWithBreaks,
     Branchy,
     BrokenHeaded,
     EagerScale,
@@ -148,9 +149,27 @@ SCENARIOS = {
         ),
         ValueError,
     ),
+    "blocks_with_breaks": lambda r: _in_graph(r, _script(make_model=BlocksWithBreaks)),
+    "blocks_with_breaks_accumulation": lambda r: _in_graph(r, _script(make_model=BlocksWithBreaks, accum=2)),
+    "blocks_with_breaks_dynamic_accumulation": lambda r: _in_graph(
+        r, _script(make_model=BlocksWithBreaks, accum=2), dynamic=True
+    ),
+    "blocks_with_breaks_ignored": lambda r: _in_graph(r, _script(make_model=BlocksWithBreaks, ignore=MIDDLE)),
+    "blocks_with_breaks_gradient_hooks": lambda r: _in_graph(
+        r, _script(make_model=BlocksWithBreaks, setup=_clamp_middle_block)
+    ),
     "join_uneven_inputs_split": lambda r: _join(r, "split"),
     "join_uneven_inputs_in_graph": lambda r: _join(r, "in_graph"),
 }
+
+
+MIDDLE = ("blocks.1.fc1.weight", "blocks.1.fc1.bias")
+"""In `BlocksWithBreaks`, a layer Dynamo runs through the graph it compiled for `blocks.0.fc2`."""
+
+
+def _clamp_middle_block(ddp) -> None:
+    for name in MIDDLE:
+        ddp.module.get_parameter(name).register_hook(lambda g: g.clamp(-0.02, 0.02))
 
 
 def _rank_branch_script() -> Script:
@@ -450,3 +469,58 @@ def test_a_graph_after_a_break_reduces_in_its_own_backward_in_every_variant(resu
     owned = sorted({n.split(".")[0] for g in reducing for b in g["buckets"] for n in b["params"]})
     assert owned == ["body", "head"], graphs
     assert per_rank[0]["report"]["recompiles"] == [], per_rank[0]["report"]["recompiles"]
+
+
+# Note [A graph per variant, where Dynamo does not guard] (ddp/in_graph/dispatch.py): a graph break inside the
+# loop over blocks makes Dynamo skip the loop's frame and compile each `nn.Linear.forward` as a frame of its own,
+# which never reads the step's variant; one of those graphs runs for every Linear of the blocks after the first.
+# torch 2.11's Dynamo compiles none of those frames: the model runs eagerly, all of it reduced after the backward.
+
+
+def _assert_reduced_in_graphs(r: dict) -> None:
+    leftovers = r["report"]["in_graph"]["leftovers_last_step"]
+    if r["report"]["graphs"]:
+        assert leftovers == [], r["report"]["in_graph"]  # the graphs reduced every gradient
+    else:  # torch 2.11
+        assert len(leftovers) == len(r["params"]), r["report"]["in_graph"]
+
+
+def test_a_graph_dynamo_runs_for_several_layers_reduces_each_layers_gradients_once(results):
+    """Before: the graph reduced every layer it ran for, and the reducer, which took it for the first layer's,
+    all-reduced the others again after the backward (twice the bytes; `leftovers_last_step` named them)."""
+    per_rank = ok(results, "blocks_with_breaks")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    for r in per_rank:
+        _assert_reduced_in_graphs(r)
+
+
+def test_no_sync_accumulation_reduces_inside_frames_that_never_read_the_variant(results):
+    """The first forward runs under no_sync(): before, every graph kept its local variant for good and every
+    gradient was all-reduced after the backward, none overlapped. Now each graph is compiled again for the
+    synchronising micro-batch, which takes the accumulated gradients (variant reduce_acc)."""
+    per_rank = ok(results, "blocks_with_breaks_accumulation")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    for r in per_rank:
+        _assert_reduced_in_graphs(r)
+        variants = {g["variant"] for g in r["report"]["graphs"]}
+        assert not variants or {"local", "reduce_acc"} <= variants, r["report"]["graphs"]
+
+
+def test_a_graph_with_symbolic_shapes_is_not_compiled_again_and_is_reduced_after_the_backward(results):
+    """`dynamic=True`: compiling the graph again outside Dynamo's call would specialise its sizes with no guard
+    to check them, so it is not; its local graphs keep running in the synchronising micro-batch (this
+    guards the path kept from before, which trained like eager then too)."""
+    per_rank = ok(results, "blocks_with_breaks_dynamic_accumulation")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    for r in per_rank:
+        assert {g["variant"] for g in r["report"]["graphs"]} <= {"local"}, r["report"]["graphs"]
+        assert len(r["report"]["in_graph"]["leftovers_last_step"]) == len(r["params"]), r["report"]["in_graph"]
+
+
+@pytest.mark.parametrize("name", ["blocks_with_breaks_ignored", "blocks_with_breaks_gradient_hooks"])
+def test_a_graph_run_for_a_layer_ddp_does_not_reduce_as_the_first_leaves_its_gradients_alone(results, name):
+    """The graph compiled for `blocks.0.fc2` runs for `blocks.1.fc1`, which DDP ignores (each rank keeps its own
+    gradient) or whose gradient hook eager DDP runs before averaging. Before: the graph averaged it anyway
+    (the ignored layer's parameters 2e-2 from the eager script's)."""
+    per_rank = ok(results, name)
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6, not_reduced=MIDDLE if name.endswith("ignored") else ())

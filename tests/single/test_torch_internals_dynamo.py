@@ -232,6 +232,39 @@ def test_an_added_example_input_is_a_static_fake_of_dynamos_mode():
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_static_tracing_compiles_a_captured_graph_again_on_static_fakes_with_a_shape_env():
+    """ddp/in_graph/dispatch.py compiles a graph Dynamo captured once more, after Dynamo's call: inside
+    `static_tracing` the inputs become fakes of one mode with a ShapeEnv and plain int sizes, AOTAutograd
+    traces them (no symbol, no Dynamo), and the result computes what the graph does."""
+    with canary("aot/torch_dynamo.py:static_tracing"):
+        captured = {}
+
+        def backend(gm, example_inputs):
+            captured["gm"] = gm
+            return gm.forward
+
+        x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
+        torch.compile(lambda x, w: torch.tanh(x @ w).sum(), backend=backend)(x, w)
+        with torch_dynamo.static_tracing() as fakeify:
+            fakes = fakeify([x, w])
+            mode = torch_dynamo.traced_fake_mode(fakes)
+            assert mode is not None and mode.shape_env is not None
+            assert all(f.fake_mode is mode for f in fakes)
+            assert [type(d).__name__ for f in fakes for d in f.shape] == ["int"] * 4
+            compiled = torch_dynamo.aot_autograd_backend(
+                fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward
+            )(captured["gm"], fakes)
+            env = mode.shape_env
+            symbols = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # 2.14: renamed
+            assert not symbols, f"the compile made size symbols: {symbols}"
+        (out,) = compiled(x, w)
+        out.backward()
+        w2 = w.detach().clone().requires_grad_(True)
+        torch.tanh(x @ w2).sum().backward()
+        torch.testing.assert_close(w.grad, w2.grad)
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_non_lazy_backward_compiles_the_backward_with_the_forward():
     with canary("aot/torch_dynamo.py:non_lazy_backward"):
         compiled = []
