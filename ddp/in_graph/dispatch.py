@@ -8,7 +8,7 @@ update the parameters. Dynamo keeps one cache entry per variant because every fr
 model reads the variant in the module pre-hooks it inlines (`guard_variant_in`). Not every frame does:
 when a graph break inside the loop over a model's blocks makes Dynamo skip that frame ("graph break in a
 for/while loop"), the blocks run eagerly and Dynamo (torch 2.13) compiles the forward of every leaf module
-they call (each `nn.Linear.forward`) as a frame of its own; torch 2.11 compiles none of them. Those frames
+they call (each `nn.Linear.forward`) as a frame of its own (2.14 too); torch 2.11 compiles none of them. Those frames
 start below the module's `_call_impl`, whose pre-hooks ran outside them: they never read the variant, and
 one compiled graph served every variant. With gradient accumulation the first forward is a `no_sync()` one,
 so each such graph kept its local variant for good and every gradient was all-reduced after the backward,
@@ -32,8 +32,9 @@ it outside Dynamo's tracing context, where no guard checks what they assume): it
 as, and its gradients are reduced after the backward where that variant does not fit
 (ddp/in_graph/hooked_runs.py for a graph that updates).
 
-Debugging: every graph compiled for another variant is a `graphs` entry of `report()` of its own, with its
-variant and the step it was compiled at.
+Debugging: every graph compiled for another variant (or for another layer's update) is a `graphs` entry of
+`report()` of its own, with its variant and the step it was compiled at; `report()["in_graph"]
+["graphs_run_for_other_parameters"]` names, per graph, the other layers' parameters it reduced.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class RunSite(Protocol):
 
     variant: str
 
-    def params_of_run(self, plan: GradBucketPlan, args: Sequence[Any], wire: str) -> RunParams | None:
+    def params_of_run(self, name: str, plan: GradBucketPlan, args: Sequence[Any], wire: str) -> RunParams | None:
         """What a graph reduces when it runs for `args`, another module's parameters than it was compiled for."""
         ...
 
@@ -159,7 +160,7 @@ class GraphRun:
         else:
             key = tuple(id(args[i]) for i in self._planned)
             if key not in self._others:
-                self._others[key] = self._site.params_of_run(self._plan, args, self._wire)
+                self._others[key] = self._site.params_of_run(self._name, self._plan, args, self._wire)
             params = self._others[key]
             if params is None:
                 return self._eager(*args)

@@ -127,6 +127,8 @@ class InGraphReducer:
         )
         self.after = AfterBackward(names)
         """Parameters reduced after the backward instead of inside a graph (outside producers, hooks)."""
+        self.run_for_others: dict[str, list[str]] = {}
+        """Per graph Dynamo runs for other modules' parameters too (dispatch.py): those parameters' names."""
         self.fallbacks: list[dict[str, str]] = []
         """Graphs whose collectives could not be placed in the backward: {"graph", "reason"}."""
         self._user_sync = True
@@ -189,6 +191,7 @@ class InGraphReducer:
             **self.after.to_dict(),
             "leftovers_last_step": list(self.last_leftovers),
             "fallbacks": list(self.fallbacks),
+            "graphs_run_for_other_parameters": {g: list(names) for g, names in self.run_for_others.items()},
             "find_unused_parameters": self._leftovers.find_unused,
             "not_updated_in_backward": list(self._skipped),
             "ddp_buckets_released_bytes": self.released_bytes,
@@ -402,8 +405,8 @@ class InGraphReducer:
 
     # -- the contract with a compiled graph's runs (ddp/in_graph/dispatch.py: RunSite) -----------------
 
-    def params_of_run(self, plan: GradBucketPlan, args: Sequence[Any], wire: str) -> RunParams | None:
-        """The parameters a graph reduces when Dynamo runs it with `args` (another module's parameters than
+    def params_of_run(self, name: str, plan: GradBucketPlan, args: Sequence[Any], wire: str) -> RunParams | None:
+        """The parameters graph `name` reduces when Dynamo runs it with `args` (another module's parameters than
         those it was compiled for); None when some of them are not the reducer's to reduce in a graph (DDP
         ignores them, they have gradient hooks, they are not DDP's): the graph must not all-reduce them."""
         params = [args[i] for i in sorted(plan.input_indices())]
@@ -411,6 +414,7 @@ class InGraphReducer:
             if id(p) not in self._by_id or id(p) in self.after or torch_ddp.has_gradient_hooks(p):
                 return None
         entry = tuple(tuple(self.names[id(args[i])] for i in b.input_indices) for b in plan.buckets)
+        self.run_for_others.setdefault(name, []).extend(n for bucket in entry for n in bucket)
         return RunParams(entry=(entry, wire), covered=frozenset(id(p) for p in params))
 
     def may_run_compiled(

@@ -492,6 +492,8 @@ def test_a_graph_dynamo_runs_for_several_layers_reduces_each_layers_gradients_on
     assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
     for r in per_rank:
         _assert_reduced_in_graphs(r)
+        others = {n for names in r["report"]["in_graph"]["graphs_run_for_other_parameters"].values() for n in names}
+        assert not r["report"]["graphs"] or {"blocks.1.fc1.weight", "blocks.2.fc2.bias"} <= others, others
 
 
 def test_no_sync_accumulation_reduces_inside_frames_that_never_read_the_variant(results):
