@@ -150,7 +150,8 @@ class GraphRun:
                 if key not in self._updating_others:
                     self._updating_others[key] = self._again(list(args))
                 return self._updating_others[key](*args)
-            if not self._site.may_run_compiled(
+            same = own and self._site.variant == self._variant
+            if not same and not self._site.may_run_compiled(
                 self._name, compiled_in=self._variant, args=args, compiled_for=self._compiled_for
             ):
                 return self._eager(*args)
