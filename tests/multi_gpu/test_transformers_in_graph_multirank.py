@@ -34,7 +34,8 @@ pytestmark = [pytest.mark.multi_gpu, pytest.mark.timeout(600)]
 
 pytest.importorskip("transformers", reason="needs the `transformers` package (test extra)")
 
-from tests.multi_gpu.test_transformers_multirank import CAP_MB, MODELS, _logits_loss, _scenario  # noqa: E402
+from tests.multi_gpu.test_transformers_multirank import CAP_MB, MODELS, _logits_loss, _scenario, _tokens  # noqa: E402
+from tests.multi_gpu.user_script import Script, assert_like_eager, run_against_eager  # noqa: E402
 
 
 def _gpt2_checkpointed():
@@ -94,8 +95,32 @@ def _in_backward(name: str):
     return run
 
 
+def _gpt2_logging_block_norms():
+    """GPT-2 with a forward hook on each block that logs the norm of its output (`.item()`, as activation
+    logging does): a graph break inside the loop over the blocks, so Dynamo skips the transformer's frame and
+    compiles the frames below it on their own (the embeddings' and the final LayerNorm's never read the
+    step's variant: ddp/in_graph/dispatch.py)."""
+    model = MODELS["gpt2"][0]()
+    model.block_norms = []
+    for block in model.transformer.h:
+        block.register_forward_hook(lambda mod, args, out: model.block_norms.append(out[0].detach().norm().item()))
+    return model
+
+
+def _logging_hooks_accumulating(rank: int) -> dict:
+    script = Script(
+        make_model=_gpt2_logging_block_norms,
+        data=lambda r, n, device: [((_tokens(r, i).to(device),), torch.zeros(1)) for i in range(n)],
+        loss=lambda out, target, model, step: _logits_loss(out),
+        make_opt=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        accum=2,
+    )
+    return run_against_eager(script, rank, how="compile", ddp="in_graph", bucket_cap_mb=CAP_MB)
+
+
 def _all(rank: int, world_size: int) -> dict:
     scenarios = {f"in_graph/{name}": _scenario(name, ddp="in_graph") for name in IN_GRAPH}
+    scenarios["in_graph/gpt2_logging_hooks_accumulating"] = _logging_hooks_accumulating
     scenarios.update({f"in_backward/{name}": _in_backward(name) for name in IN_BACKWARD})
     return run_scenarios(scenarios, rank)
 
@@ -179,3 +204,17 @@ def test_model_family_updates_inside_the_backward_like_eager_ddp(results, name):
         # A parameter two graphs take gets a share of its gradient from each backward: the normal step updates
         # it (none on torch 2.13, where every family here is one graph).
         assert report["not_updated_in_backward"] == _shared_between_graphs(r["report"], "reduce_update"), report
+
+
+def test_activation_logging_hooks_with_accumulation_keep_the_reduction_in_the_backward(results):
+    """Only the tied embedding (a graph's and the head's) is reduced after the backward, as DDP averages its total.
+    Before: the position embedding and the final LayerNorm too (`nn.Embedding.forward`'s and
+    `nn.LayerNorm.forward`'s frames, compiled under the first, `no_sync()` forward, kept their local graphs)."""
+    per_rank = ok(results, "in_graph/gpt2_logging_hooks_accumulating")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-5)
+    after = ["transformer.wte.weight"]
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+        # torch 2.11's Dynamo compiles no frame below the one it skipped: those layers run eagerly
+        after += ["transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"]
+    for r in per_rank:
+        assert r["report"]["in_graph"]["leftovers_last_step"] == after, r["report"]["in_graph"]
