@@ -60,7 +60,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import static_tracing
+from aot.torch_dynamo import saved_tensors_hooks_disabled, static_tracing
 from aot.torch_eager import tree_leaves
 from aot.torch_graphs import inline_nested_regions, with_extra_inputs
 from ddp import torch_ddp, torch_ddp_reducer
@@ -315,8 +315,10 @@ class InGraphReducer:
             return VariantDispatch(self, self.variant, compiled, None)
 
         def again(args: list) -> Callable[..., Any]:
-            # For the variant of this step, or for the parameters of this run (`run` below), on its inputs.
-            with static_tracing() as fakeify:
+            # For the variant of this step, or for the parameters of this run (dispatch.py: GraphRun), on its
+            # inputs; inside the user's forward, whose saved-tensor hooks (save_on_cpu) the trace must not call,
+            # as Dynamo keeps them from its backend.
+            with static_tracing() as fakeify, saved_tensors_hooks_disabled():
                 return self._compile_in_variant(gm, args, compile_piece, graph_log, again=again, fakeify=fakeify)
 
         compiled = self._compile_in_variant(gm, list(example_inputs), compile_piece, graph_log, again=again)
