@@ -23,12 +23,13 @@ while the rest of the backward still computes, and the bucket's gradients need n
 
 Algorithm:
   * Update 1 runs as eager DDP (forward, backward with DDP's reducer, `optimizer.step()`; without
-    clipping or static_graph), which creates the optimizer's state exactly as torch does and compiles
-    nothing: a compiled update 1 needed a backward variant of its own (reduce without update) for that
-    single step. Before its backward the autograd graph is read for parameters that get gradients from
-    outside the model's outputs (`ddp/in_graph/probe.py: eager_outside_producers`); the compiled
-    backward leaves those to the normal step. With clipping or static_graph, update 1 is compiled
-    (reduce only) and shows how the model compiles.
+    clipping, static_graph or a `reduce_dtype=` wire, which DDP's reducer would not use), which creates
+    the optimizer's state exactly as torch does and compiles nothing: a compiled update 1 needed a
+    backward variant of its own (reduce without update) for that single step. Before its backward the
+    autograd graph is read for parameters that get gradients from outside the model's outputs
+    (`ddp/in_graph/probe.py: eager_outside_producers`); the compiled backward leaves those to the normal
+    step. With clipping, static_graph or `reduce_dtype=`, update 1 is compiled (reduce only) and shows
+    how the model compiles.
   * From update 2 the compiled backward applies each bucket's update right after its all-reduce lands
     (splice.py, placed by the in-graph graph pass through its hook), on the optimizer's own state
     tensors, updated in place, so `optimizer.state_dict()` is what an eager run gives. The update is

@@ -98,13 +98,17 @@ class InBackwardController:
         """Whether update 1 (forward, backward, step) can run as eager DDP: it only creates the optimizer
         state and shows what reaches the gradients, and compiling its variant of the graph (the backward
         that reduces without updating) would serve that one step. Not with clipping (the update needs to
-        know every parameter reduced after the backward, learnt from a compiled step) nor static_graph
-        (DDP's reducer would see one active step, then idle ones)."""
+        know every parameter reduced after the backward, learnt from a compiled step), nor static_graph
+        (DDP's reducer would see one active step, then idle ones), nor a 16-bit wire asked for by
+        `reduce_dtype=` rather than by a comm hook (DDP's reducer would average update 1 in full precision)."""
+        reduction = self.reducer.reduction
+        wire_of_ours = reduction.in_graph and reduction.wire_dtype is not None and reduction.hook is None
         return (
             self.reason is None
             and not self.active
             and self.updates.clip_max_norm is None
             and not getattr(ddp, "static_graph", False)
+            and not wire_of_ours
         )
 
     def after_update(self, index: int, *, ran_eagerly: bool = False) -> None:

@@ -29,6 +29,7 @@ from tests.multi_gpu.field_models import (
     add_group_at_update_3,
     aux_on_block_bias,
     aux_on_head_bias,
+    bf16_by_hand,
     branch_from,
     branch_on_rank_0_first,
     clamp_grad_hooks,
@@ -211,6 +212,11 @@ SCENARIOS = {
     "tied_across_graph_break_clip": lambda r: _step(r, _script(make_model=TiedAcrossBreak, make_opt=sgd, clip=0.05)),
     "shared_after_nested_break": lambda r: _step(r, _script(make_model=SharedAfterNestedBreak, make_opt=adamw)),
     "blocks_with_breaks": lambda r: _step(r, _script(make_model=BlocksWithBreaks, make_opt=adamw)),
+    "reduce_dtype_bf16": lambda r: _step(
+        r,
+        _script(make_opt=adamw, eager_setup=lambda d: d.register_comm_hook(None, bf16_by_hand)),
+        reduce_dtype=torch.bfloat16,
+    ),
     "momentum_cleared_at_update_3": lambda r: _step(
         r, _script(make_opt=sgd_momentum_foreach, before_step_opt=clear_optimizer_state_at_update_3)
     ),
@@ -497,3 +503,12 @@ def test_optimizer_state_lost_at_update_3_is_recreated_as_torch_recreates_it(res
         iob = _iob(r)
         assert iob["active"] and iob["restarted_after_lost_state"] == [3], iob
         assert iob["updates_in_backward"] == UPDATES - 2, iob
+
+
+def test_a_16_bit_wire_asked_by_reduce_dtype_holds_from_update_1(results):
+    """`reduce_dtype=torch.bfloat16` against eager DDP with DDP's bf16 compression (its steps, by hand): update 1
+    is compiled (the backward that only reduces) instead of run as eager DDP, whose reducer would have averaged it
+    in fp32. Before: 1.2e-2 of the update away from the eager script (AdamW, 3 updates, Headed, accumulation 1)."""
+    per_rank = ok(results, "reduce_dtype_bf16")
+    assert_like_eager(per_rank, rtol=1e-4, atol=1e-6)
+    _assert_in_backward(per_rank)
