@@ -14,7 +14,7 @@ averages what eager DDP averages:
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -70,6 +70,17 @@ class AfterBackward:
             )
 
 
+def ours_to_bucket(
+    value: Any, *, names: Mapping[int, str], ignored: Iterable[str], ours: Mapping[int, Any], after: AfterBackward
+) -> bool:
+    """Whether graph input `value` is a parameter of DDP's reducer (`ours`, by id) with a gradient, not ignored by
+    DDP and not left to after the backward; the caller still checks the user's gradient hooks."""
+    if not isinstance(value, torch.nn.Parameter) or not value.requires_grad:
+        return False
+    name = names.get(id(value))
+    return name is not None and name not in ignored and id(value) in ours and id(value) not in after
+
+
 def graph_buckets(
     gm: fx.GraphModule,
     example_inputs: list,
@@ -86,11 +97,9 @@ def graph_buckets(
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     slots: dict[str, GradSlot] = {}
     for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
-        if not isinstance(value, torch.nn.Parameter) or not value.requires_grad:
+        if not ours_to_bucket(value, names=names, ignored=ignored, ours=ours, after=after):
             continue
-        name = names.get(id(value))
-        if name is None or name in ignored or id(value) not in ours or id(value) in after:
-            continue
+        name = names[id(value)]
         if torch_ddp.has_gradient_hooks(value):
             # Eager DDP reduces what the user's hook returns (a clamp, a mask, a non-linear rescale),
             # and a post-accumulate hook sees the local gradient: the graph hands this one back

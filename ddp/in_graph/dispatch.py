@@ -196,11 +196,6 @@ class VariantDispatch:
             self._by_variant[variant] = fn
         return fn(*args)
 
-    @property
-    def variants(self) -> tuple[str, ...]:
-        """The variants this graph was run in (compiled for each, or sharing the first)."""
-        return tuple(self._by_variant)
-
 
 def compiled_again_for_variants(gm: fx.GraphModule, example_inputs: list, *, cuda_graphs: bool) -> bool:
     """Whether `gm` may be compiled for another variant outside Dynamo's call (see the Note)."""

@@ -67,7 +67,7 @@ from ddp import torch_ddp, torch_ddp_reducer
 from ddp.agreement import RankAgreement
 from ddp.bucketing.grad_buckets import GradBucketPlan
 from ddp.in_graph.accumulated import AccumulatedGradients
-from ddp.in_graph.after_backward import AfterBackward, graph_buckets
+from ddp.in_graph.after_backward import AfterBackward, graph_buckets, ours_to_bucket
 from ddp.in_graph.dispatch import (
     EagerRun,
     GraphLog,
@@ -413,7 +413,8 @@ class InGraphReducer:
         ignores them, they have gradient hooks, they are not DDP's): the graph must not all-reduce them."""
         params = [args[i] for i in sorted(plan.input_indices())]
         for p in params:
-            if id(p) not in self._by_id or id(p) in self.after or torch_ddp.has_gradient_hooks(p):
+            mine = ours_to_bucket(p, names=self.names, ignored=self.ignored, ours=self._by_id, after=self.after)
+            if not mine or torch_ddp.has_gradient_hooks(p):
                 return None
         entry = tuple(tuple(self.names[id(args[i])] for i in b.input_indices) for b in plan.buckets)
         self.run_for_others.setdefault(name, []).extend(n for bucket in entry for n in bucket)
