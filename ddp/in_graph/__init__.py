@@ -5,6 +5,7 @@
 * `graph_pass.py` -- the FX passes (bucketed all-reduce in the backward, accumulated gradients);
 * `partitioner.py` -- AOTAutograd's partition step with those passes (aot_eager and Inductor);
 * `runtime.py` -- `InGraphReducer`: DDP's semantics around it (no_sync, buffers, the end of the backward);
+* `compile_graph.py` -- one captured graph compiled in the step's variant (its buckets, inputs, hook, partitioner);
 * `accumulated.py` -- gradients accumulated under no_sync, handed to the synchronising graph (moved or lent);
 * `variants.py` -- which compiled variant a step runs (and the guard on it), the ranks' agreement on its graphs;
 * `dispatch.py` -- what Dynamo runs for a graph: per variant, the graph compiled for it (where Dynamo does not guard);

@@ -93,10 +93,6 @@ class RunSite(Protocol):
 
     variant: str
 
-    def params_of_run(self, name: str, plan: GradBucketPlan, args: Sequence[Any], wire: str) -> RunParams | None:
-        """What a graph reduces when it runs for `args`, another module's parameters than it was compiled for."""
-        ...
-
     def may_run_compiled(
         self, name: str, *, compiled_in: str, args: Sequence[Any], compiled_for: Sequence[tuple[int, torch.Tensor]]
     ) -> bool:
@@ -128,9 +124,12 @@ class GraphRun:
         wire: str,
         eager: EagerRun,
         again: Callable[[list], Callable[..., Any]] | None,
+        params_of_run: Callable[[Sequence[Any]], RunParams | None],
     ) -> None:
+        """`params_of_run(args)`: what the graph reduces when it runs for `args`, another module's parameters
+        than it was compiled for (None: it must not all-reduce them)."""
         self._site, self._name, self._variant = site, name, variant
-        self._compiled, self._produce, self._plan, self._wire = compiled, produce, plan, wire
+        self._compiled, self._produce = compiled, produce
         self._planned = sorted(plan.input_indices())
         self._compiled_for = [(i, inputs[i]) for i in self._planned]
         self._own = RunParams(
@@ -138,7 +137,7 @@ class GraphRun:
             covered=frozenset(id(inputs[i]) for i in self._planned),
         )
         self._consumed = consumed
-        self._eager, self._again = eager, again
+        self._eager, self._again, self._params_of_run = eager, again, params_of_run
         self._others: dict[tuple[int, ...], RunParams | None] = {}  # runs for other parameters, by their ids
         self._updating_others: dict[tuple[int, ...], Callable[..., Any]] = {}  # compiled to update theirs
 
@@ -161,7 +160,7 @@ class GraphRun:
         else:
             key = tuple(id(args[i]) for i in self._planned)
             if key not in self._others:
-                self._others[key] = self._site.params_of_run(self._name, self._plan, args, self._wire)
+                self._others[key] = self._params_of_run(args)
             params = self._others[key]
             if params is None:
                 return self._eager(*args)

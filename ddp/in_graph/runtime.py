@@ -52,42 +52,31 @@ graph, fallbacks); each graph's buckets name the backward op after which their a
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.nn.parallel import DistributedDataParallel
 
-from aot.torch_dynamo import saved_tensors_hooks_disabled, static_tracing
 from aot.torch_eager import tree_leaves
-from aot.torch_graphs import inline_nested_regions, with_extra_inputs
 from ddp import torch_ddp, torch_ddp_reducer
 from ddp.agreement import RankAgreement
 from ddp.bucketing.grad_buckets import GradBucketPlan
 from ddp.in_graph.accumulated import AccumulatedGradients
-from ddp.in_graph.after_backward import AfterBackward, graph_buckets, ours_to_bucket
-from ddp.in_graph.dispatch import (
-    EagerRun,
-    GraphLog,
-    GraphRun,
-    RunParams,
-    VariantDispatch,
-    compiled_again_for_variants,
-)
+from ddp.in_graph.after_backward import AfterBackward
+from ddp.in_graph.compile_graph import Bucketing, CompileFn, GraphCompiler
+from ddp.in_graph.dispatch import GraphLog, RunParams
 from ddp.in_graph.hooked_runs import HookedRuns
 from ddp.in_graph.hooks import BackwardHook, GraphInputs, GraphToCompile, HookedGraph, StepOutcome
 from ddp.in_graph.leftovers import LeftoverReducer
-from ddp.in_graph.partitioner import InGraphPartitioner
 from ddp.in_graph.policy import Reduction, reduction_for
 from ddp.in_graph.probe import OutsideGradientProbe, graph_uses
-from ddp.in_graph.variants import GraphsAgreement, accumulates, hooked, variant_for
+from ddp.in_graph.variants import GraphsAgreement, variant_for
 
 log = logging.getLogger(__name__)
-
-CompileFn = Callable[..., "tuple[Callable[..., Any], bool]"]
-"""(gm, example_inputs, name, partitioner=...) -> (compiled, whether AOTAutograd ran)."""
 
 
 class InGraphReducer:
@@ -109,11 +98,9 @@ class InGraphReducer:
         asks (Note [A graph per variant, where Dynamo does not guard], ddp/in_graph/dispatch.py)."""
         self.ddp = ddp
         self.names = names
-        self.caps = (bucket_cap_bytes, first_bucket_cap_bytes)
         self.agreement = agreement
         self.group = ddp.process_group
         self.world_size = dist.get_world_size(self.group)
-        self.group_name = self.group.group_name
         self.ignored = torch_ddp.ignored_names(ddp)
         self.reduce_dtype = reduce_dtype
         self.reduction: Reduction = reduction_for(ddp, reduce_dtype)
@@ -127,10 +114,6 @@ class InGraphReducer:
         )
         self.after = AfterBackward(names)
         """Parameters reduced after the backward instead of inside a graph (outside producers, hooks)."""
-        self.run_for_others: dict[str, list[str]] = {}
-        """Per graph Dynamo runs for other modules' parameters too (dispatch.py): those parameters' names."""
-        self.fallbacks: list[dict[str, str]] = []
-        """Graphs whose collectives could not be placed in the backward: {"graph", "reason"}."""
         self._user_sync = True
         self._runs: list[tuple[tuple, frozenset[int], frozenset[int], Any]] = []  # this forward's graphs
         self._covered: list[frozenset[int]] = []  # param ids reduced in-graph, per graph run this step
@@ -143,9 +126,18 @@ class InGraphReducer:
         self._new_variant = False
         self._had_grad: set[int] = set()  # covered params holding a .grad when the backward began
         self._eager_uses: dict[int, int] | None = None  # ops per parameter in an eager step (`after_eager_step`)
-        self._cuda_graphs = cuda_graphs
         self.accumulated = AccumulatedGradients(self.params, lend=not cuda_graphs)
         """Gradients accumulated under no_sync, on their way into the synchronising graph (accumulated.py)."""
+        bucketing = Bucketing(
+            names=names,
+            ignored=self.ignored,
+            ours=self._by_id,
+            after=self.after,
+            caps=(bucket_cap_bytes, first_bucket_cap_bytes),
+            group_name=self.group.group_name,
+            world_size=self.world_size,
+        )
+        self._compiler = GraphCompiler(self, bucketing, self.accumulated, cuda_graphs=cuda_graphs)
         self._probe: OutsideGradientProbe | None = None
         self._armed = False
         self.sync_steps = 0
@@ -190,8 +182,8 @@ class InGraphReducer:
             **self.reduction.to_dict(),
             **self.after.to_dict(),
             "leftovers_last_step": list(self.last_leftovers),
-            "fallbacks": list(self.fallbacks),
-            "graphs_run_for_other_parameters": {g: list(names) for g, names in self.run_for_others.items()},
+            "fallbacks": list(self._compiler.fallbacks),
+            "graphs_run_for_other_parameters": {g: list(n) for g, n in self._compiler.run_for_others.items()},
             "find_unused_parameters": self._leftovers.find_unused,
             "not_updated_in_backward": list(self._skipped),
             "ddp_buckets_released_bytes": self.released_bytes,
@@ -303,134 +295,21 @@ class InGraphReducer:
         if not reduction.in_graph:
             log.warning("compile_core: ddp='in_graph' is not reducing in the graph: %s", reduction.reason)
 
-    # -- compiling -----------------------------------------------------------------------------------
+    # -- compiling (ddp/in_graph/compile_graph.py: CompileSite) ------------------------------------
 
     def compile(
         self, gm: fx.GraphModule, example_inputs: list, compile_piece: CompileFn, graph_log: GraphLog
     ) -> Callable[..., Any]:
-        """Compile one graph Dynamo captured, in the current variant; returns what Dynamo runs: the graph
-        compiled for the variant of each step it runs in (ddp/in_graph/dispatch.py)."""
-        if not compiled_again_for_variants(gm, example_inputs, cuda_graphs=self._cuda_graphs):
-            compiled = self._compile_in_variant(gm, list(example_inputs), compile_piece, graph_log, again=None)
-            return VariantDispatch(self, self.variant, compiled, None)
+        """What Dynamo runs for one graph it captured: the graph compiled for the variant of each step."""
+        return self._compiler.compile(gm, example_inputs, compile_piece, graph_log)
 
-        def again(args: list) -> Callable[..., Any]:
-            # For the variant of this step, or for the parameters of this run (dispatch.py: GraphRun), on its
-            # inputs; inside the user's forward, whose saved-tensor hooks (save_on_cpu) the trace must not call,
-            # as Dynamo keeps them from its backend.
-            with static_tracing() as fakeify, saved_tensors_hooks_disabled():
-                return self._compile_in_variant(gm, args, compile_piece, graph_log, again=again, fakeify=fakeify)
-
-        compiled = self._compile_in_variant(gm, list(example_inputs), compile_piece, graph_log, again=again)
-        return VariantDispatch(self, self.variant, compiled, again)
-
-    def _compile_in_variant(
-        self,
-        gm: fx.GraphModule,
-        example_inputs: list,
-        compile_piece: CompileFn,
-        graph_log: GraphLog,
-        *,
-        again: Callable[[list], Callable[..., Any]] | None,
-        fakeify: Callable[[list], list] = list,
-    ) -> Callable[..., Any]:
-        """`example_inputs`: Dynamo's, or a run's (`fakeify` turns them into what the compile is handed);
-        `again(args)`: the same graph compiled for a run's inputs (None: it cannot be, see dispatch.py)."""
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
         self._compiled_this_step = True
-        name = graph_log.new_name()
-        after_ops: list[str] = []
-        with self.agreement.busy():  # a rank waiting for this one in `GraphsAgreement.agree` waits on
-            variant = self.variant
-            if variant == "local":
-                compiled, _ = compile_piece(gm, fakeify(example_inputs), name)
-                graph_log.record(name, None, after_ops)
-                return compiled
-            plan = graph_buckets(
-                gm,
-                example_inputs,
-                names=self.names,
-                ignored=self.ignored,
-                ours=self._by_id,
-                after=self.after,
-                caps=self.caps,
-            )
-            original = gm
-            graph_inputs = GraphInputs(example_inputs)
-            inputs = graph_inputs.examples
-            accumulated: dict[int, int] = {}
-            if accumulates(variant):
-                for i in sorted(plan.input_indices()):
-                    accumulated[i] = graph_inputs.add(
-                        torch.zeros_like(inputs[i]), lambda run, i=i: self.accumulated.take(run[i]), of_run=True
-                    )
-            hook = self._hook_for(name, gm, graph_inputs, plan) if hooked(variant) else HookedGraph(None)
-            if graph_inputs.added:
-                names = [f"ddp_compile_input_{k}" for k in range(graph_inputs.added)]
-                pinned = [k for k, fixed in enumerate(graph_inputs.fixed_address) if fixed]
-                gm = with_extra_inputs(gm, names, fixed_address=pinned)
-            partitioner = InGraphPartitioner(
-                plan,
-                group_name=self.group_name,
-                world_size=self.world_size,
-                wire_dtype=self.reduction.wire_dtype,
-                accumulated_input_of=accumulated,
-                after_reduce=hook.after_reduce,
-                on_partitioned=after_ops.extend,
-            )
-            compiled, used_aot = compile_piece(gm, fakeify(inputs), name, partitioner=partitioner)
-            if not used_aot:
-                # No AOT backward to put collectives in (the graph runs eagerly): its gradients are
-                # reduced after the backward. Say so: the user asked for reduction inside the backward.
-                reason = "the graph fell back to eager (no compiled backward to hold its all-reduces)"
-                self.fallbacks.append({"graph": name, "reason": reason})
-                log.warning(
-                    "compile_core: ddp='in_graph': %s: %s; its gradients are all-reduced after the backward",
-                    name,
-                    reason,
-                )
-                graph_log.record(name, None, after_ops)
-                return inline_nested_regions(original).forward
-            graph_log.record(name, plan, after_ops)
-            return GraphRun(
-                self,
-                name=name,
-                variant=variant,
-                compiled=compiled,
-                produce=graph_inputs.produce if graph_inputs.added else None,
-                plan=plan,
-                inputs=inputs,
-                consumed=frozenset(id(inputs[i]) for i in hook.consumed),
-                wire=str(self.reduction.wire_dtype),
-                eager=EagerRun(original),
-                again=again,
-            )
+        with self.agreement.busy():  # a rank waiting for this one in `GraphsAgreement.agree` waits longer
+            yield
 
-    # -- the contract with a compiled graph's runs (ddp/in_graph/dispatch.py: RunSite) -----------------
-
-    def params_of_run(self, name: str, plan: GradBucketPlan, args: Sequence[Any], wire: str) -> RunParams | None:
-        """The parameters graph `name` reduces when Dynamo runs it with `args` (another module's parameters than
-        those it was compiled for); None when some of them are not the reducer's to reduce in a graph (DDP
-        ignores them, they have gradient hooks, they are not DDP's): the graph must not all-reduce them."""
-        params = [args[i] for i in sorted(plan.input_indices())]
-        for p in params:
-            mine = ours_to_bucket(p, names=self.names, ignored=self.ignored, ours=self._by_id, after=self.after)
-            if not mine or torch_ddp.has_gradient_hooks(p):
-                return None
-        entry = tuple(tuple(self.names[id(args[i])] for i in b.input_indices) for b in plan.buckets)
-        self.run_for_others.setdefault(name, []).extend(n for bucket in entry for n in bucket)
-        return RunParams(entry=(entry, wire), covered=frozenset(id(p) for p in params))
-
-    def may_run_compiled(
-        self, name: str, *, compiled_in: str, args: Sequence[Any], compiled_for: Sequence[tuple[int, torch.Tensor]]
-    ) -> bool:
-        return self._hooked_runs.may_run_compiled(
-            name, compiled_in=compiled_in, variant=self.variant, args=args, compiled_for=compiled_for
-        )
-
-    def ran(self, params: RunParams, consumed: frozenset[int], out: Any) -> None:
-        self._runs.append((params.entry, params.covered, consumed, out))
-
-    def _hook_for(self, name: str, gm: fx.GraphModule, inputs: GraphInputs, plan: GradBucketPlan) -> HookedGraph:
+    def hook_for(self, name: str, gm: fx.GraphModule, inputs: GraphInputs, plan: GradBucketPlan) -> HookedGraph:
         """What the step's hook does in this graph (it may add inputs); remembered for `step_outcome`."""
         if self._hook is None:  # a hooked variant is only chosen with a hook set
             return HookedGraph(None)
@@ -452,6 +331,18 @@ class InGraphReducer:
             return False
         most = self._eager_uses.get(id(param))
         return most is None or graph_uses(gm, index) < most  # not reached by the eager step: counted as shared
+
+    # -- the contract with a compiled graph's runs (ddp/in_graph/dispatch.py: RunSite) -----------------
+
+    def may_run_compiled(
+        self, name: str, *, compiled_in: str, args: Sequence[Any], compiled_for: Sequence[tuple[int, torch.Tensor]]
+    ) -> bool:
+        return self._hooked_runs.may_run_compiled(
+            name, compiled_in=compiled_in, variant=self.variant, args=args, compiled_for=compiled_for
+        )
+
+    def ran(self, params: RunParams, consumed: frozenset[int], out: Any) -> None:
+        self._runs.append((params.entry, params.covered, consumed, out))
 
     # -- end of backward -----------------------------------------------------------------------------
 
