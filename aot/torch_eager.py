@@ -41,6 +41,14 @@ def call_uncompiled(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
 
+def torch_compile_original(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module `torch.compile(original)` was called on, if `module` is the wrapper it returned; else None.
+    (`OptimizedModule._orig_mod`, `torch/_dynamo/eval_frame.py`.)"""
+    if not isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return None
+    return module._orig_mod
+
+
 def uncompile_torch_wrapper(module: torch.nn.Module) -> torch.nn.Module | None:
     """If `module` is the wrapper `torch.compile(original)` returned, make its call run `original` uncompiled
     and return `original`; else None.
@@ -50,9 +58,9 @@ def uncompile_torch_wrapper(module: torch.nn.Module) -> torch.nn.Module | None:
     here it becomes `original.__call__` itself, as torch makes it under a disabled context. The wrapper's own
     hooks still run around it; a forward run eagerly then never compiles the model with the script's backend.
     """
-    if not isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+    original = torch_compile_original(module)
+    if original is None:
         return None
-    original = module._orig_mod
     if hasattr(original, "_initialize_hook"):
         module._forward = original.__call__
     else:

@@ -18,13 +18,19 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import DynamoError, root_cause
-from aot.torch_eager import call_uncompiled, install_compiled_call, installed_compiled_call, uncompile_torch_wrapper
+from aot.torch_eager import (
+    call_uncompiled,
+    install_compiled_call,
+    installed_compiled_call,
+    torch_compile_original,
+    uncompile_torch_wrapper,
+)
 from compile_core import progress
 from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents
@@ -66,13 +72,19 @@ def compile(
     """Compile `model` (a DDP model or a plain module) in place and return it; see docs/design.md.
 
     The result is `model` itself: its attributes, `.module`, `state_dict()` and `isinstance` checks are the
-    ones the script had; `model.report()` and `model.compile_state` are added. `disable=True` (torch.compile's
+    ones the script had; `model.report()` and `model.compile_state` are added. Handed `torch.compile(ddp)`, it
+    compiles and returns the DDP model inside (the wrapper's call then runs it). `disable=True` (torch.compile's
     switch, as in `disable=not args.compile`) checks the arguments and returns `model` untouched."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"model must be a torch.nn.Module (or DistributedDataParallel), got {type(model).__name__}; "
             "wrap your function in an nn.Module or use torch.compile for plain functions"
         )
+    handed = model
+    if isinstance(torch_compile_original(model), DistributedDataParallel):
+        # `torch.compile(ddp)`: the DDP model inside is what we compile and hand back (compiling the wrapper as a
+        # plain module would compile nothing: its call is DDP's, whose frame Dynamo skips).
+        model = torch_compile_original(model)
     if isinstance(model, CompiledModel):
         raise ValueError(
             f"this {type(model).__name__} is already compiled by compile_core.compile (which compiles in place "
@@ -95,8 +107,17 @@ def compile(
     if not isinstance(disable, bool):
         raise TypeError(f"disable={disable!r}: pass True (compile nothing) or False, as to torch.compile")
     if disable:
-        return model
-    state = CompileState(model, config)
+        return handed
+    notes = []
+    if handed is not model:
+        uncompile_torch_wrapper(handed)  # the wrapper's call now runs the DDP model, compiled by us
+        notes.append(
+            f"the model handed in is torch.compile's wrapper of {type(model).__name__}: compile_core compiles the "
+            f"{type(model).__name__} model inside with backend={config.backend_name} and returns it (the wrapper's "
+            "call runs it too); the backend and options given to torch.compile are not used"
+        )
+        log.warning("compile_core: %s", notes[-1])
+    state = CompileState(model, config, notes=notes)
     compile_in_place(model, state)
     return model
 
@@ -104,7 +125,8 @@ def compile(
 class CompileState:
     """Everything compiling one model keeps (the model itself is compiled in place; see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, config: CompileConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: CompileConfig, *, notes: Sequence[str] = ()) -> None:
+        """`notes`: what the report says about the model handed in (compile_core.compile's)."""
         self._model = model
         self._config = config
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
@@ -116,6 +138,7 @@ class CompileState:
             )
         self._inner = inner
         self._log = CompileLog()
+        self._log.notes.extend(notes)
         self._take_place_of_torch_compile(inner, config)
         if config.nested_regions:
             marked = apply_nested_regions(inner)

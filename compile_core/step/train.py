@@ -95,14 +95,14 @@ class TrainStep:
         grad_scaler: Any = None,
     ) -> None:
         check_inputs(model, optimizer, loss_fn, lr_scheduler, grad_scaler, config)
-        self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.config = config
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler
         self.compiled_model = _compile_model(model, config)
-        """`model` itself, compiled in place (compile_core/in_place.py)."""
+        """`model` itself, compiled in place (compile_core/in_place.py); handed `torch.compile(ddp)`, the DDP model."""
+        model = self.model = self.compiled_model
         self._compiled = self.compiled_model.compile_state
         if self._compiled.in_graph is not None:
             # nothing touches .grad between our forward and backward: accumulate inside the graph

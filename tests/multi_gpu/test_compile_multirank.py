@@ -38,6 +38,7 @@ def train_both(
     reuse_pieces: bool = True,
     ddp_mode: str = "split",
     outer_compile: bool = False,
+    handed_torch_compiled: bool = False,
 ):
     import compile_core
 
@@ -48,9 +49,11 @@ def train_both(
     seen: list = []
     record_buckets(ours, seen)
     override = None if our_cap_mb is None else our_cap_mb[rank]
+    handed = torch.compile(ours, backend="eager") if handed_torch_compiled else ours
     compiled = compile_core.compile(
-        ours, backend=backend, ddp=ddp_mode, bucket_cap_mb=override, reuse_pieces=reuse_pieces
+        handed, backend=backend, ddp=ddp_mode, bucket_cap_mb=override, reuse_pieces=reuse_pieces
     )
+    handed_back_ddp = compiled is ours
     outer_ops: list[str] = []
     if outer_compile:  # the script's own torch.compile around what ours returned (timm compiles after DDP)
 
@@ -78,6 +81,7 @@ def train_both(
         "report": ours.report().to_dict(),
         "ddp_buckets": per_step,
         "outer_ops": outer_ops,
+        "handed_back_ddp": handed_back_ddp,
     }
 
 
@@ -158,3 +162,56 @@ def test_a_torch_compile_around_the_compiled_model_leaves_the_model_to_us(mode):
         assert all(r["report"]["alignment"]["status"] == "aligned" for r in results)
     for name, p in results[0]["params"].items():
         assert torch.equal(p, results[1]["params"][name]), f"{name} differs between ranks"
+
+
+@pytest.mark.parametrize("mode", ["split", "in_graph"])
+def test_torch_compiles_wrapper_of_ddp_is_compiled_as_the_ddp_model(mode):
+    """`compile_core.compile(torch.compile(ddp))` (a script that kept its torch.compile line): before, the wrapper
+    was compiled as a plain module whose call is DDP's, whose frame Dynamo skips: nothing was compiled (0 graphs,
+    while a warning said it was) and `ddp='in_graph'` was refused as not DDP. Now the DDP model inside is compiled
+    and handed back, and the wrapper's call runs it."""
+    results = run_ranks(train_both, "aot_eager", 0.05, None, True, mode, False, True, world_size=2, timeout=280)
+    for rank, r in enumerate(results):
+        assert r["handed_back_ddp"], f"rank {rank}: compile_core.compile did not hand back the DDP model"
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, r["ref"][name], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")
+        assert sum(g["pieces"] for g in r["report"]["graphs"]) >= 1, r["report"]["graphs"]
+        assert any("torch.compile's wrapper of DistributedDataParallel" in n for n in r["report"]["notes"])
+    for name, p in results[0]["params"].items():
+        assert torch.equal(p, results[1]["params"][name]), f"{name} differs between ranks"
+
+
+def train_step_handed_torch_compiled(rank: int, world_size: int, mode: str):
+    import compile_core
+
+    torch.manual_seed(0)
+    model = to_rank_device(GPT(CFG))
+    ref = copy.deepcopy(model)
+    ours, theirs = wrap_ddp(model, bucket_cap_mb=0.05), wrap_ddp(ref, bucket_cap_mb=0.05)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    step = compile_core.train_step(torch.compile(ours, backend="eager"), opt, lm_loss, backend="aot_eager", ddp=mode)
+    for i in range(3):
+        x, y = to_rank_device(synthetic_batch(CFG, 2, 16, step=i, rank=rank))
+        step(x, y)
+        lm_loss(theirs(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    return {
+        "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+        "ref": {n: p.detach().cpu() for n, p in ref.named_parameters()},
+        "report": step.report().to_dict(),
+        "model_is_ddp": step.model is ours,
+    }
+
+
+@pytest.mark.parametrize("mode", ["split", "in_graph"])
+def test_train_step_takes_torch_compiles_wrapper_of_ddp_as_the_ddp_model(mode):
+    """`compile_core.train_step(torch.compile(ddp), ...)`: before, the step compiled nothing (split: torch's
+    DDPOptimizer ran and refused a cap under the first bucket's) or refused the model as not DDP (in_graph)."""
+    results = run_ranks(train_step_handed_torch_compiled, mode, world_size=2, timeout=280)
+    for rank, r in enumerate(results):
+        assert r["model_is_ddp"], f"rank {rank}: the step's model is not the DDP model"
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, r["ref"][name], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {name}")
+        assert sum(g["pieces"] for g in r["report"]["graphs"]) >= 1, r["report"]["graphs"]
