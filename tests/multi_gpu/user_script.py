@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.multi_gpu.ddp_compare import buffers, snapshot, update_rel_err
@@ -192,9 +193,12 @@ def _train_step_loop(script: Script, ddp: DDP, data: list[Batch], kwargs: dict) 
 
 
 def _state(opt: torch.optim.Optimizer) -> dict:
+    # ZeroRedundancyOptimizer's own state_dict() needs a consolidation across ranks: its shard's optimizer
+    # holds this rank's state, sharded alike in both runs.
+    local = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
     return {
         k: {n: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
-        for k, s in opt.state_dict()["state"].items()
+        for k, s in local.state_dict()["state"].items()
     }
 
 
