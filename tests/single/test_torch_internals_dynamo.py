@@ -118,7 +118,7 @@ def test_a_modules_call_can_be_replaced_and_bypassed_like_module_compile_does():
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_the_wrapper_torch_compile_returns_can_call_its_module_uncompiled():
-    with canary("aot/torch_eager.py:uncompile_torch_wrapper"):
+    with canary("aot/torch_eager.py:uncompile_torch_wrapper/torch_compile_original"):
         compiles = []
 
         def scripts_backend(gm, example_inputs):
@@ -129,6 +129,8 @@ def test_the_wrapper_torch_compile_returns_can_call_its_module_uncompiled():
         linear, hooked = nn.Linear(2, 2), []
         wrapper = torch.compile(linear, backend=scripts_backend)
         wrapper.register_forward_hook(lambda mod, args, out: hooked.append(out.shape))
+        assert torch_eager.torch_compile_original(wrapper) is linear and not compiles  # a look changes nothing
+        assert torch_eager.torch_compile_original(linear) is None
         assert torch_eager.uncompile_torch_wrapper(wrapper) is linear
         x = torch.randn(3, 2)
         torch.testing.assert_close(wrapper(x), linear(x))
