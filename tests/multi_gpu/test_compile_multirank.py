@@ -29,6 +29,16 @@ def record_buckets(ddp: DDP, sink: list) -> None:
     ddp.register_comm_hook(None, hook)
 
 
+def _eager_step(ddp: DDP, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    lm_loss(ddp(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
 def train_both(
     rank: int,
     world_size: int,
@@ -72,12 +82,10 @@ def train_both(
         opt.step()
         opt.zero_grad(set_to_none=True)
         per_step.append([names for _, names in sorted(seen)])
-        lm_loss(theirs(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+        _eager_step(theirs, ref_opt, x, y)
     return {
-        "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
-        "ref": {n: p.detach().cpu() for n, p in ref.named_parameters()},
+        "params": _named(model),
+        "ref": _named(ref),
         "report": ours.report().to_dict(),
         "ddp_buckets": per_step,
         "outer_ops": outer_ops,
@@ -194,12 +202,10 @@ def train_step_handed_torch_compiled(rank: int, world_size: int, mode: str):
     for i in range(3):
         x, y = to_rank_device(synthetic_batch(CFG, 2, 16, step=i, rank=rank))
         step(x, y)
-        lm_loss(theirs(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+        _eager_step(theirs, ref_opt, x, y)
     return {
-        "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
-        "ref": {n: p.detach().cpu() for n, p in ref.named_parameters()},
+        "params": _named(model),
+        "ref": _named(ref),
         "report": step.report().to_dict(),
         "model_is_ddp": step.model is ours,
     }
