@@ -32,6 +32,11 @@ def install_compiled_call(module: torch.nn.Module, fn: Callable[..., Any]) -> No
     module._compiled_call_impl = fn
 
 
+def uninstall_compiled_call(module: torch.nn.Module) -> None:
+    """Undo `module.compile()`: calls of `module` run its own `_call_impl` again (see `installed_compiled_call`)."""
+    module._compiled_call_impl = None
+
+
 def call_uncompiled(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Call `module` the way `nn.Module.__call__` does without a compiled call: hooks, then `forward`.
 

@@ -30,6 +30,7 @@ from aot.torch_eager import (
     installed_compiled_call,
     torch_compile_original,
     uncompile_torch_wrapper,
+    uninstall_compiled_call,
 )
 from compile_core import progress
 from compile_core.config import CompileConfig
@@ -116,7 +117,15 @@ def compile(
             f"{type(model).__name__} model inside with backend={config.backend_name} and returns it (the wrapper's "
             "call runs it too); the backend and options given to torch.compile are not used"
         )
-        log.warning("compile_core: %s", notes[-1])
+    elif isinstance(model, DistributedDataParallel) and installed_compiled_call(model) is not None:
+        # `ddp.compile()`: torch's compile of DDP's own call would run around ours (and its DDPOptimizer with it).
+        uninstall_compiled_call(model)
+        notes.append(
+            f"the {type(model).__name__} model was compiled by module.compile(): compile_core compiles it in that "
+            f"compile's place with backend={config.backend_name}; the backend and options given to it are not used"
+        )
+    for note in notes:
+        log.warning("compile_core: %s", note)
     state = CompileState(model, config, notes=notes)
     compile_in_place(model, state)
     return model

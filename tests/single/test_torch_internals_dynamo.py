@@ -101,11 +101,15 @@ def test_lookup_backend_and_restart_and_error_types():
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_a_modules_call_can_be_replaced_and_bypassed_like_module_compile_does():
-    with canary("aot/torch_eager.py:installed_compiled_call/install_compiled_call/call_uncompiled"):
+    with canary(
+        "aot/torch_eager.py:installed_compiled_call/install_compiled_call/uninstall_compiled_call/call_uncompiled"
+    ):
         compiled = nn.Linear(2, 2)
         assert torch_eager.installed_compiled_call(compiled) is None
         compiled.compile(backend="eager")
         assert torch_eager.installed_compiled_call(compiled) is not None
+        torch_eager.uninstall_compiled_call(compiled)
+        assert torch_eager.installed_compiled_call(compiled) is None
         module, hooked = nn.Linear(2, 2), []
         module.register_forward_hook(lambda mod, args, out: hooked.append(out.shape))
         torch_eager.install_compiled_call(module, lambda *args, **kwargs: "replaced")
