@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -109,24 +109,7 @@ def compile(
         raise TypeError(f"disable={disable!r}: pass True (compile nothing) or False, as to torch.compile")
     if disable:
         return handed
-    notes = []
-    if handed is not model:
-        uncompile_torch_wrapper(handed)  # the wrapper's call now runs the DDP model, compiled by us
-        notes.append(
-            f"the model handed in is torch.compile's wrapper of {type(model).__name__}: compile_core compiles the "
-            f"{type(model).__name__} model inside with backend={config.backend_name} and returns it (the wrapper's "
-            "call runs it too); the backend and options given to torch.compile are not used"
-        )
-    elif isinstance(model, DistributedDataParallel) and installed_compiled_call(model) is not None:
-        # `ddp.compile()`: torch's compile of DDP's own call would run around ours (and its DDPOptimizer with it).
-        uninstall_compiled_call(model)
-        notes.append(
-            f"the {type(model).__name__} model was compiled by module.compile(): compile_core compiles it in that "
-            f"compile's place with backend={config.backend_name}; the backend and options given to it are not used"
-        )
-    for note in notes:
-        log.warning("compile_core: %s", note)
-    state = CompileState(model, config, notes=notes)
+    state = CompileState(model, config, handed=handed)
     compile_in_place(model, state)
     return model
 
@@ -134,8 +117,8 @@ def compile(
 class CompileState:
     """Everything compiling one model keeps (the model itself is compiled in place; see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, config: CompileConfig, *, notes: Sequence[str] = ()) -> None:
-        """`notes`: what the report says about the model handed in (compile_core.compile's)."""
+    def __init__(self, model: torch.nn.Module, config: CompileConfig, *, handed: torch.nn.Module | None = None) -> None:
+        """`handed`: what the script handed to compile_core.compile, when not `model` (torch.compile's wrapper)."""
         self._model = model
         self._config = config
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
@@ -147,8 +130,7 @@ class CompileState:
             )
         self._inner = inner
         self._log = CompileLog()
-        self._log.notes.extend(notes)
-        self._take_place_of_torch_compile(inner, config)
+        self._take_place_of_scripts_compile(handed if handed is not None else model, inner, config)
         if config.nested_regions:
             marked = apply_nested_regions(inner)
             self._log.notes.append(
@@ -217,23 +199,36 @@ class CompileState:
             first / MiB,
         )
 
-    def _take_place_of_torch_compile(self, inner: torch.nn.Module, config: CompileConfig) -> None:
-        # nanoGPT's `compile=True` (`torch.compile(model)` before DDP wraps it) or `model.compile()`: our compile
-        # takes the place of the script's, which must not run either in an eager forward of ours (update 1 of
-        # the in-backward step). Our compiled call replaces `module.compile()`'s when it is installed.
+    def _take_place_of_scripts_compile(
+        self, handed: torch.nn.Module, inner: torch.nn.Module, config: CompileConfig
+    ) -> None:
+        # The script's own compile of the model gives way to ours, and must not run either in an eager forward of
+        # ours (update 1 of the in-backward step): torch.compile's wrapper of the DDP model (its call then runs the
+        # DDP model, ours), `ddp.compile()` (torch's compile of DDP's own call would run around ours, and PyTorch's
+        # DDPOptimizer with it), and, below DDP, nanoGPT's `compile=True` (`torch.compile(model)` before DDP wraps
+        # it) or `model.compile()`, whose compiled call ours replaces when it is installed.
+        model = self._model
+        hows = []
+        if handed is not model:
+            uncompile_torch_wrapper(handed)
+            hows.append(
+                f"the model handed in is torch.compile's wrapper of {type(model).__name__}: compile_core compiles "
+                f"the {type(model).__name__} model inside, returns it (the wrapper's call runs it too),"
+            )
+        elif self._ddp is not None and installed_compiled_call(model) is not None:
+            uninstall_compiled_call(model)
+            hows.append(f"the {type(model).__name__} model was compiled by module.compile(): compile_core compiles it")
         original = uncompile_torch_wrapper(inner)
         if original is not None:
-            how = f"torch.compile's wrapper of {type(original).__name__}"
+            hows.append(f"the module is torch.compile's wrapper of {type(original).__name__}: compile_core compiles it")
         elif installed_compiled_call(inner) is not None:
-            how = f"{type(inner).__name__}, compiled by module.compile()"
-        else:
-            return
-        note = (
-            f"the module is {how}: compile_core compiles it with backend={config.backend_name}; the backend and "
-            "options given to torch.compile are not used"
-        )
-        self._log.notes.append(note)
-        log.warning("compile_core: %s", note)
+            hows.append(f"the module is {type(inner).__name__}, compiled by module.compile(): compile_core compiles it")
+        for how in hows:
+            note = (
+                f"{how} with backend={config.backend_name}; the backend and options given to torch.compile are not used"
+            )
+            self._log.notes.append(note)
+            log.warning("compile_core: %s", note)
 
     def _auto_cap(self, model: torch.nn.Module) -> AutoCap:
         if self._ddp is None:
