@@ -64,3 +64,17 @@ def test_torch_mode_needs_a_ddp_model():
 def test_model_that_is_not_a_module():
     with pytest.raises(TypeError, match="nn.Module"):
         compile_core.compile(lambda x: x)
+
+
+def test_module_compile_of_the_ddp_model_after_ours_is_refused_by_name_and_undone():
+    """`ddp.compile()` after `compile_core.compile(ddp)` would run torch's compile of DDP's call around ours."""
+    import torch
+
+    model = compile_core.compile(DDP(mlp(1)), backend="aot_eager")
+    x = torch.randn(2, 256)
+    model(x)
+    model.compile(backend="eager")
+    with pytest.raises(ValueError, match="module.compile\\(\\) after compile_core.compile"):
+        model(x)
+    assert getattr(model, "_compiled_call_impl", None) is None
+    torch.testing.assert_close(model(x), model.module.forward(x))  # ours again
