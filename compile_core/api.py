@@ -273,7 +273,7 @@ class CompileState:
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         # Between iterations, before DDP's pre-forward: the only safe moment to swap DDP's reducer.
         progress.report()  # for a launcher watching for hangs (compile_core/progress.py)
-        if installed_compiled_call(module) is not None:
+        if module is not self._inner and installed_compiled_call(module) is not None:
             # `ddp.compile()` after ours: torch's compile of DDP's call now runs around our compiled model (and
             # PyTorch's DDPOptimizer with it). Before it, `_take_place_of_scripts_compile` undoes it.
             uninstall_compiled_call(module)
