@@ -81,11 +81,11 @@ def compile(
             f"model must be a torch.nn.Module (or DistributedDataParallel), got {type(model).__name__}; "
             "wrap your function in an nn.Module or use torch.compile for plain functions"
         )
-    handed = model
-    if isinstance(torch_compile_original(model), DistributedDataParallel):
+    handed, original = model, torch_compile_original(model)
+    if isinstance(original, DistributedDataParallel):
         # `torch.compile(ddp)`: the DDP model inside is what we compile and hand back (compiling the wrapper as a
         # plain module would compile nothing: its call is DDP's, whose frame Dynamo skips).
-        model = torch_compile_original(model)
+        model = original
     if isinstance(model, CompiledModel):
         raise ValueError(
             f"this {type(model).__name__} is already compiled by compile_core.compile (which compiles in place "
