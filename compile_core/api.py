@@ -177,7 +177,8 @@ class CompileState:
             on_compiled=self._graph_compiled,
             guard_module_hooks=True,  # a hook the user adds (or removes) after a compile runs as in eager
         )
-        install_compiled_call(inner, Detached(self._run_inner, copied_as=None))
+        self._installed = Detached(self._run_inner, copied_as=None)
+        install_compiled_call(inner, self._installed)
         if model is not inner:
             # Run around DDP's own forward, however the model is called.
             model.register_forward_pre_hook(detached_hook(self._before_forward))
@@ -273,21 +274,30 @@ class CompileState:
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         # Between iterations, before DDP's pre-forward: the only safe moment to swap DDP's reducer.
         progress.report()  # for a launcher watching for hangs (compile_core/progress.py)
-        if module is not self._inner and installed_compiled_call(module) is not None:
-            # `ddp.compile()` after ours: torch's compile of DDP's call now runs around our compiled model (and
-            # PyTorch's DDPOptimizer with it). Before it, `_take_place_of_scripts_compile` undoes it.
-            uninstall_compiled_call(module)
-            raise ValueError(
-                f"this {type(module).__name__} model was compiled again with module.compile() after "
-                "compile_core.compile, which already compiles it: remove the module.compile() call (undone now; "
-                "this forward did not run)"
-            )
+        if module is not self._inner:
+            self._refuse_torch_compile_after_ours(module)
         if not self._eager:
             self._mode.before_forward()
         grad = torch.is_grad_enabled()
         self._new_grad_mode = grad not in self._grad_modes_seen
         self._grad_modes_seen.add(grad)
         self._calls += 1
+
+    def _refuse_torch_compile_after_ours(self, ddp: torch.nn.Module) -> None:
+        # A module.compile() after ours that the DDP model's own `compile` (compile_core/in_place.py) did not
+        # refuse: `ddp.module.compile()` (DDP's forward would call torch's compiled module, not ours) or
+        # `nn.Module.compile(ddp)` (torch's compile of DDP's call around ours, with PyTorch's DDPOptimizer).
+        # Raised before DDP's forward, so no collective waits for this rank; undone, so the next forward is ours.
+        inner = self._inner
+        if installed_compiled_call(inner) is self._installed and installed_compiled_call(ddp) is None:
+            return
+        which = ddp if installed_compiled_call(ddp) is not None else inner
+        uninstall_compiled_call(ddp)
+        install_compiled_call(inner, self._installed)
+        raise ValueError(
+            f"the {type(which).__name__} model was compiled again with module.compile() after compile_core.compile, "
+            "which already compiles it: remove the module.compile() call (undone now; this forward did not run)"
+        )
 
     def _run_inner(self, *args: Any, **kwargs: Any) -> Any:
         if self._model is self._inner:  # no DDP: what the pre-forward hook does around DDP (see __init__)

@@ -5,9 +5,11 @@ A script that wrapped its DDP model in `torch.compile` reads and writes attribut
 checks `isinstance(model, DistributedDataParallel)` and saves `state_dict()`. So we do not hand back a
 wrapper: the model's class becomes a subclass of its own class with `CompiledModel` mixed in (same name,
 same behaviour, plus `report()` and `compile_state`), and what the compile keeps is one `CompileState`
-stored on the instance. A copy of the model (`copy.deepcopy`, pickling) is the plain eager model again:
-its class is the user's, and what we attached to its modules (the compiled call, our forward hooks) copies
-as nothing (`Detached`).
+stored on the instance. Its `compile()` (torch's `nn.Module.compile`, unless the class has its own) refuses:
+it would install torch's compiled call in place of ours (without DDP nothing of ours would run again) or
+around ours (DDP's call, with PyTorch's DDPOptimizer). A copy of the model (`copy.deepcopy`, pickling) is
+the plain eager model again: its class is the user's, and what we attached to its modules (the compiled call,
+our forward hooks) copies as nothing (`Detached`).
 """
 
 from __future__ import annotations
@@ -55,11 +57,14 @@ def compile_in_place(model: torch.nn.Module, state: Any) -> None:
     if cls is None:
         # The user's class comes first: a method of theirs named `report` keeps its meaning (the report is
         # then `model.compile_state.report()`). Same name and module, so reprs and logs read as before.
-        cls = type(
-            base.__name__,
-            (base, CompiledModel),
-            {"__module__": base.__module__, "__qualname__": base.__qualname__, "__reduce_ex__": _reduce_as_base},
-        )
+        namespace: dict[str, Any] = {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__reduce_ex__": _reduce_as_base,
+        }
+        if getattr(base, "compile", None) is torch.nn.Module.compile:
+            namespace["compile"] = _refuse_module_compile
+        cls = type(base.__name__, (base, CompiledModel), namespace)
         _COMPILED_CLASSES[base] = cls
     if getattr(base, "report", None) is not None:
         log.warning(
@@ -67,6 +72,14 @@ def compile_in_place(model: torch.nn.Module, state: Any) -> None:
         )
     model.__dict__[_STATE_ATTR] = state
     model.__class__ = cls
+
+
+def _refuse_module_compile(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise ValueError(
+        f"this {type(self).__name__} model is already compiled by compile_core.compile: remove the module.compile() "
+        "call (torch's compiled call would take the place of ours); torch.compile's backend, mode and options go "
+        "to compile_core.compile"
+    )
 
 
 def _reduce_as_base(self: Any, protocol: int) -> Any:

@@ -66,15 +66,35 @@ def test_model_that_is_not_a_module():
         compile_core.compile(lambda x: x)
 
 
-def test_module_compile_of_the_ddp_model_after_ours_is_refused_by_name_and_undone():
-    """`ddp.compile()` after `compile_core.compile(ddp)` would run torch's compile of DDP's call around ours."""
+@pytest.mark.parametrize("wrap", [DDP, None], ids=["ddp", "plain"])
+def test_module_compile_after_ours_is_refused_at_the_call_and_ours_keeps_running(wrap):
+    """`model.compile()` after `compile_core.compile(model)` would replace our compiled call with torch's (without
+    DDP: nothing of ours would run again) or run torch's compile of DDP's call around ours."""
+    import torch
+
+    model = compile_core.compile(wrap(mlp(1)) if wrap else mlp(1), backend="aot_eager")
+    inner = model.module if wrap else model
+    x = torch.randn(2, 256)
+    model(x)
+    graphs = len(model.report().graphs)
+    with pytest.raises(ValueError, match="already compiled by compile_core.compile: remove the .*compile\\(\\) call"):
+        model.compile(backend="eager")
+    y = torch.randn(3, 256)  # a new batch size: our compiled call compiles again, torch's would not tell us
+    torch.testing.assert_close(model(y), inner.forward(y))
+    assert len(model.report().graphs) > graphs
+
+
+def test_module_compile_of_the_module_inside_ddp_after_ours_is_refused_at_the_next_forward_and_undone():
+    """`ddp.module.compile()` after ours: DDP's forward would call torch's compile of the module, not ours."""
     import torch
 
     model = compile_core.compile(DDP(mlp(1)), backend="aot_eager")
     x = torch.randn(2, 256)
     model(x)
-    model.compile(backend="eager")
-    with pytest.raises(ValueError, match="module.compile\\(\\) after compile_core.compile"):
+    model.module.compile(backend="eager")
+    with pytest.raises(ValueError, match="Sequential.*module.compile\\(\\) after compile_core.compile"):
         model(x)
-    assert getattr(model, "_compiled_call_impl", None) is None
-    torch.testing.assert_close(model(x), model.module.forward(x))  # ours again
+    graphs = len(model.report().graphs)
+    y = torch.randn(3, 256)  # a new batch size: our compiled call compiles again, torch's would not tell us
+    torch.testing.assert_close(model(y), model.module.forward(y))
+    assert len(model.report().graphs) > graphs
