@@ -29,16 +29,16 @@ from aot.torch_eager import (
     install_compiled_call,
     installed_compiled_call,
     torch_compile_original,
-    uncompile_torch_wrapper,
     uninstall_compiled_call,
 )
 from compile_core import progress
 from compile_core.config import CompileConfig
 from compile_core.events import CompileEvents
-from compile_core.in_place import CompiledModel, Detached, compile_in_place, detached_hook
+from compile_core.in_place import CompiledModel, Detached, compile_in_place, detached_hook, uncompile_in_place
 from compile_core.modes import ModeContext, make_mode
+from compile_core.other_compiles import ddp_wrapper_note, refuse_module_compile_after_ours, take_their_place
 from compile_core.pieces import PieceCompiler
-from compile_core.regions import apply_nested_regions
+from compile_core.regions import apply_nested_regions, remove_nested_regions
 from compile_core.report import CompileLog, CompileReport
 from compile_core.reuse.idle_work import IdleWork
 from ddp.agreement import RankAgreement, RankAgreementError
@@ -123,14 +123,16 @@ class CompileState:
         self._config = config
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         inner = model.module if self._ddp is not None else model
-        if isinstance(inner, CompiledModel) or isinstance(installed_compiled_call(inner), Detached):
+        if not isinstance(inner, CompiledModel) and isinstance(installed_compiled_call(inner), Detached):
+            # the module inside a DDP model compiled already (one compiled before DDP wrapped it gives way, below)
             raise ValueError(
                 f"{type(inner).__name__} is already compiled by compile_core.compile (which compiles in place): "
                 "compile each module once"
             )
         self._inner = inner
         self._log = CompileLog()
-        self._take_place_of_scripts_compile(handed if handed is not None else model, inner, config)
+        for note in take_their_place(handed if handed is not None else model, model, inner):
+            self._note(f"{note} (backend={config.backend_name})")
         if config.nested_regions:
             marked = apply_nested_regions(inner)
             self._log.notes.append(
@@ -143,6 +145,7 @@ class CompileState:
         """What a train step offers this model's compile to do while it waits for another rank's."""
         self._calls = 0
         self._eager = False
+        self._wrapped_by_ddp_noted = self._ddp is not None
         self._agreement = (
             RankAgreement(self._ddp.process_group, prefix=f"ddp_compile/model{next(_models)}")
             if self._ddp is not None
@@ -200,36 +203,18 @@ class CompileState:
             first / MiB,
         )
 
-    def _take_place_of_scripts_compile(
-        self, handed: torch.nn.Module, inner: torch.nn.Module, config: CompileConfig
-    ) -> None:
-        # The script's own compile of the model gives way to ours, and must not run either in an eager forward of
-        # ours (update 1 of the in-backward step): torch.compile's wrapper of the DDP model (its call then runs the
-        # DDP model, ours), `ddp.compile()` (torch's compile of DDP's own call would run around ours, and PyTorch's
-        # DDPOptimizer with it), and, below DDP, nanoGPT's `compile=True` (`torch.compile(model)` before DDP wraps
-        # it) or `model.compile()`, whose compiled call ours replaces when it is installed.
-        model = self._model
-        hows = []
-        if handed is not model:
-            uncompile_torch_wrapper(handed)
-            hows.append(
-                f"the model handed in is torch.compile's wrapper of {type(model).__name__}: compile_core compiles "
-                f"the {type(model).__name__} model inside, returns it (the wrapper's call runs it too),"
-            )
-        elif self._ddp is not None and installed_compiled_call(model) is not None:
-            uninstall_compiled_call(model)
-            hows.append(f"the {type(model).__name__} model was compiled by module.compile(): compile_core compiles it")
-        original = uncompile_torch_wrapper(inner)
-        if original is not None:
-            hows.append(f"the module is torch.compile's wrapper of {type(original).__name__}: compile_core compiles it")
-        elif installed_compiled_call(inner) is not None:
-            hows.append(f"the module is {type(inner).__name__}, compiled by module.compile(): compile_core compiles it")
-        for how in hows:
-            note = (
-                f"{how} with backend={config.backend_name}; the backend and options given to torch.compile are not used"
-            )
-            self._log.notes.append(note)
-            log.warning("compile_core: %s", note)
+    def _note(self, note: str) -> None:
+        self._log.notes.append(note)
+        log.warning("compile_core: %s", note)
+
+    def give_way(self) -> None:
+        """Undo this compile of a plain module, for the compile of a DDP model that wrapped it since
+        (compile_core/other_compiles.py); without DDP, nothing else of ours is attached to the module."""
+        if installed_compiled_call(self._inner) is self._installed:
+            uninstall_compiled_call(self._inner)
+        if self._config.nested_regions:
+            remove_nested_regions(self._inner)
+        uncompile_in_place(self._model)
 
     def _auto_cap(self, model: torch.nn.Module) -> AutoCap:
         if self._ddp is None:
@@ -275,7 +260,7 @@ class CompileState:
         # Between iterations, before DDP's pre-forward: the only safe moment to swap DDP's reducer.
         progress.report()  # for a launcher watching for hangs (compile_core/progress.py)
         if module is not self._inner:
-            self._refuse_torch_compile_after_ours(module)
+            refuse_module_compile_after_ours(module, self._inner, self._installed)
         if not self._eager:
             self._mode.before_forward()
         grad = torch.is_grad_enabled()
@@ -283,25 +268,13 @@ class CompileState:
         self._grad_modes_seen.add(grad)
         self._calls += 1
 
-    def _refuse_torch_compile_after_ours(self, ddp: torch.nn.Module) -> None:
-        # A module.compile() after ours that the DDP model's own `compile` (compile_core/in_place.py) did not
-        # refuse: `ddp.module.compile()` (DDP's forward would call torch's compiled module, not ours) or
-        # `nn.Module.compile(ddp)` (torch's compile of DDP's call around ours, with PyTorch's DDPOptimizer).
-        # Raised before DDP's forward, so no collective waits for this rank; undone, so the next forward is ours.
-        inner = self._inner
-        if installed_compiled_call(inner) is self._installed and installed_compiled_call(ddp) is None:
-            return
-        which = ddp if installed_compiled_call(ddp) is not None else inner
-        uninstall_compiled_call(ddp)
-        install_compiled_call(inner, self._installed)
-        raise ValueError(
-            f"the {type(which).__name__} model was compiled again with module.compile() after compile_core.compile, "
-            "which already compiles it: remove the module.compile() call (undone now; this forward did not run)"
-        )
-
     def _run_inner(self, *args: Any, **kwargs: Any) -> Any:
         if self._model is self._inner:  # no DDP: what the pre-forward hook does around DDP (see __init__)
             self._before_forward(self._inner, args)
+            note = None if self._wrapped_by_ddp_noted else ddp_wrapper_note(self._inner)
+            if note is not None:
+                self._wrapped_by_ddp_noted = True
+                self._note(note)
         if self._eager:
             return call_uncompiled(self._inner, *args, **kwargs)
         graphs = self._events.graphs

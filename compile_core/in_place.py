@@ -74,6 +74,16 @@ def compile_in_place(model: torch.nn.Module, state: Any) -> None:
     model.__class__ = cls
 
 
+def uncompile_in_place(model: torch.nn.Module) -> None:
+    """Undo `compile_in_place`: the model's class is the user's again, and it holds no state of ours."""
+    model.__dict__.pop(_STATE_ATTR, None)
+    model.__class__ = _user_class(type(model))
+
+
+def _user_class(cls: type) -> type:
+    return next(c for c in cls.__mro__ if c is not CompiledModel and not issubclass(c, CompiledModel))
+
+
 def _refuse_module_compile(self: Any, *args: Any, **kwargs: Any) -> None:
     raise ValueError(
         f"this {type(self).__name__} model is already compiled by compile_core.compile: remove the module.compile() "
@@ -86,7 +96,7 @@ def _reduce_as_base(self: Any, protocol: int) -> Any:
     # copy.deepcopy and pickle rebuild the user's own class without our state: a copy is the eager model
     # (its module's compiled call and our hooks copy as nothing, see `Detached`).
     rv = list(object.__reduce_ex__(self, protocol))
-    base = next(c for c in type(self).__mro__[1:] if c is not CompiledModel and not issubclass(c, CompiledModel))
+    base = _user_class(type(self))
     if len(rv) > 1 and rv[1] and rv[1][0] is type(self):
         rv[1] = (base, *rv[1][1:])
         # pickle refuses copyreg's __newobj__ with a class other than the object's own: rebuild through

@@ -42,6 +42,12 @@ def hidden_from_dynamo() -> Iterator[None]:
         DistributedDataParallel._active_ddp_module = saved
 
 
+def active_ddp_module() -> DistributedDataParallel | None:
+    """The DDP model whose forward is running now (None outside any); the slot `hidden_from_dynamo` clears
+    (`DistributedDataParallel._get_active_ddp_module`, distributed.py)."""
+    return DistributedDataParallel._get_active_ddp_module()
+
+
 def comm_hooks(ddp: DistributedDataParallel) -> list[tuple[Callable[..., Any], Any]]:
     """(hook, state) pairs the user registered (`register_comm_hook` appends to `_comm_hooks`)."""
     return list(ddp._comm_hooks)

@@ -55,6 +55,8 @@ def train_both(
     torch.manual_seed(0)
     model = to_rank_device(GPT(CFG))
     ref = copy.deepcopy(model)
+    if scripts_compile == "compile_core.compile(model), then DDP":
+        compile_core.compile(model, backend=backend)  # the place of nanoGPT's torch.compile(model), before DDP
     ours, theirs = wrap_ddp(model, bucket_cap_mb=cap_mb), wrap_ddp(ref, bucket_cap_mb=cap_mb)
     seen: list = []
     record_buckets(ours, seen)
@@ -179,6 +181,7 @@ def test_a_torch_compile_around_the_compiled_model_leaves_the_model_to_us(mode):
 NOTES = {
     "torch.compile(ddp)": "torch.compile's wrapper of DistributedDataParallel",
     "ddp.compile()": "compiled by module.compile()",
+    "compile_core.compile(model), then DDP": "compiled by compile_core.compile before DDP wrapped it",
 }
 
 
@@ -189,8 +192,9 @@ def test_a_ddp_model_the_script_compiled_itself_is_compiled_by_us_in_its_place(m
     the wrapper was compiled as a plain module whose call is DDP's, whose frame Dynamo skips: nothing was
     compiled by us (split: PyTorch's DDPOptimizer ran, and failed on a cap under the first bucket's) and
     `ddp='in_graph'` was refused as not DDP. `ddp.compile()` then `compile_core.compile(ddp)`: before, torch's
-    compile of DDP's call ran around ours (in_graph: the same DDPOptimizer failure). Now the DDP model is compiled
-    by us alone and handed back (the wrapper's call runs it too)."""
+    compile of DDP's call ran around ours (in_graph: the same DDPOptimizer failure). `compile_core.compile(model)`
+    before DDP wrapped it, then `compile_core.compile(ddp)`: before, refused ("compile each module once"). Now the
+    DDP model is compiled by us alone and handed back (the wrapper's call runs it too)."""
     results = run_ranks(
         train_both, "aot_eager", 0.05, None, True, mode, False, scripts_compile, world_size=2, timeout=280
     )

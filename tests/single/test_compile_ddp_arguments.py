@@ -98,3 +98,24 @@ def test_module_compile_of_the_module_inside_ddp_after_ours_is_refused_at_the_ne
     y = torch.randn(3, 256)  # a new batch size: our compiled call compiles again, torch's would not tell us
     torch.testing.assert_close(model(y), model.module.forward(y))
     assert len(model.report().graphs) > graphs
+
+
+def test_a_module_compiled_before_ddp_wrapped_it_says_so_once_and_trains_like_eager(caplog):
+    """`DDP(compile_core.compile(model))` (our call in the place of nanoGPT's `torch.compile(model)`): graphs compiled
+    whole, DDP's all-reduces wait for the whole backward. Before, the report said "not a DDP model" and nothing
+    else."""
+    import copy
+
+    import torch
+
+    torch.manual_seed(0)
+    module = mlp(2)
+    ref = DDP(copy.deepcopy(module))
+    model = DDP(compile_core.compile(module, backend="aot_eager"))
+    with caplog.at_level("WARNING", logger="compile_core.api"):
+        for _ in range(2):
+            x = torch.randn(2, 256)
+            torch.testing.assert_close(model(x), ref(x))
+    notes = [n for n in module.report().notes if "runs inside DistributedDataParallel" in n]
+    assert len(notes) == 1 and "compile_core.compile(DDP(model))" in notes[0], module.report().notes
+    assert sum("runs inside DistributedDataParallel" in r.getMessage() for r in caplog.records) == 1

@@ -34,6 +34,16 @@ def test_hidden_from_dynamo_clears_and_restores_the_active_module_slot():
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_the_active_ddp_module_is_the_ddp_model_whose_forward_runs():
+    with canary("ddp/torch_ddp.py:active_ddp_module"):
+        ddp = DDP(nn.Linear(2, 2))
+        seen = []
+        ddp.module.register_forward_pre_hook(lambda module, args: seen.append(torch_ddp.active_ddp_module()))
+        ddp(torch.randn(1, 2))
+        assert seen == [ddp]
+        assert torch_ddp.active_ddp_module() is None
+
+
 def test_comm_hooks_lists_registered_hooks():
     with canary("ddp/torch_ddp.py:comm_hooks"):
         ddp = two_layers()
