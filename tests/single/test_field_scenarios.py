@@ -94,49 +94,6 @@ def test_unbacked_size_crosses_a_piece_boundary(backend):
     assert report["graph_breaks"] == [] and report["fallbacks"] == []
 
 
-class DropPathBlock(nn.Module):
-    def __init__(self, rate: float, width: int = 512) -> None:
-        super().__init__()
-        self.rate = rate
-        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
-
-    def drop_path(self, x):
-        if self.rate == 0.0:
-            return x
-        keep = (torch.arange(x.shape[0]) % 3 != 0).to(x.dtype).view(-1, 1)  # fixed: eager and compiled agree
-        return x * keep.div_(1.0 - self.rate)
-
-    def forward(self, x):
-        x = x + self.drop_path(self.fc1(x))
-        return x + self.drop_path(self.fc2(x))
-
-
-class DropPathBlocks(nn.Module):
-    """pytorch/pytorch#196227: residual blocks with a stochastic-depth rate each (0.0 in the first), a graph break
-    between blocks, so the later blocks recompile with the rate a float that the pieces of the split read.
-    PyTorch's DDPOptimizer (`torch.compile(ddp)`, DDP cap 1 MiB) fails on this model with "'float' object has
-    no attribute 'meta'" (torch 2.13, aot_eager)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(DropPathBlock(rate) for rate in (0.0, 0.1, 0.2))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-            torch._dynamo.graph_break()
-        return x
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_float_rate_crosses_a_piece_boundary_in_recompiled_blocks(backend):
-    x = torch.randn(6, 512)
-    _, report = run_against_eager(DropPathBlocks, lambda step: x, backend=backend, ddp_kwargs={"bucket_cap_mb": 1})
-    # block 0, then blocks 1 and 2 (one graph with the rate an input, or one each), two pieces per block
-    assert [g["pieces"] for g in report["graphs"]] in ([2, 2], [2, 2, 2])
-    assert report["fallbacks"] == []
-
-
 class WithUnused(nn.Module):
     def __init__(self) -> None:
         super().__init__()
