@@ -160,13 +160,45 @@ def visible_gpus() -> int:
     return len(glob.glob("/proc/driver/nvidia/gpus/*"))
 
 
+_TORCHRUN_ONLY: dict[tuple[str, ...], str] = {
+    ("--master-addr", "--master_addr", "--master-port", "--master_port", "--node-rank", "--node_rank"): (
+        "pass --rdzv-endpoint MASTER_ADDR:MASTER_PORT and --nnodes N on every host instead (the rendezvous gives "
+        "each node its rank)"
+    ),
+    ("--rdzv-backend", "--rdzv_backend", "--rdzv-conf", "--rdzv_conf"): (
+        "the rendezvous is torchx's c10d one; drop it (--rdzv-endpoint and --rdzv-id name it across hosts)"
+    ),
+    ("--redirects", "--tee", "-r", "-t"): "rank output is always kept per rank; --log-dir DIR keeps it after the run",
+    ("--local-ranks-filter", "--local_ranks_filter"): "every rank's output is kept; --log-dir DIR keeps it",
+    ("--no-python", "--no_python", "--run-path", "--run_path"): "SCRIPT is a .py path, or a module with -m",
+    ("--start-method", "--start_method", "--monitor-interval", "--monitor_interval", "--role"): (
+        "torchx's dist.ddp sets it; drop it"
+    ),
+}
+"""torchrun options with no counterpart here, and what to do instead: refused by name, not as unknown."""
+
+
+class _TorchrunOnly(argparse.Action):
+    def __init__(self, *args, fix: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fix = fix
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        raise UsageError(f"{option_string} is torchrun's and python -m launch has no such option: {self.fix}")
+
+
 def _build_parser() -> _Parser:
     p = _Parser(
         prog="python -m launch",
         description="Run a DDP training script on N ranks via torchx (torchrun on each node).",
     )
     p.add_argument("--nnodes", default=None, help="nodes: N or MIN:MAX (elastic); default 1")
-    p.add_argument("--nproc-per-node", default=None, help="ranks per node, or 'auto' (default): GPUs, else 2 on CPU")
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default=None,
+        help="ranks per node, or 'auto' (default): GPUs, else 2 on CPU",
+    )
     p.add_argument(
         "-j", dest="j", default=None, help="torchx style [MIN:]NNODESxNPROC, instead of --nnodes/--nproc-per-node"
     )
@@ -180,13 +212,14 @@ def _build_parser() -> _Parser:
     p.add_argument(
         "--dry-run", action="store_true", help="print the torchrun command and scheduler request; run nothing"
     )
-    p.add_argument("--log-dir", default=None, help="keep per-rank logs here")
+    p.add_argument("--log-dir", "--log_dir", default=None, help="keep per-rank logs here")
     p.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="extra env for every rank (repeatable)"
     )
     p.add_argument("--max-retries", type=int, default=0, help="scheduler retries of the whole app")
     p.add_argument(
         "--max-restarts",
+        "--max_restarts",
         type=int,
         default=0,
         metavar="K",
@@ -194,12 +227,15 @@ def _build_parser() -> _Parser:
     )
     p.add_argument(
         "--rdzv-endpoint",
+        "--rdzv_endpoint",
         default=None,
         metavar="HOST:PORT",
         help="run only this host's node of an --nnodes N job whose rendezvous is at HOST:PORT "
         "(the same command on every host)",
     )
-    p.add_argument("--rdzv-id", default=None, help="rendezvous id shared by the hosts (default from the endpoint)")
+    p.add_argument(
+        "--rdzv-id", "--rdzv_id", default=None, help="rendezvous id shared by the hosts (default from the endpoint)"
+    )
     p.add_argument(
         "--rdzv-port",
         type=int,
@@ -227,7 +263,14 @@ def _build_parser() -> _Parser:
         metavar="SECONDS",
         help="grace before a rank's second heartbeat and during compiles (default max(10 x hang timeout, 600))",
     )
-    p.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name (python -m)")
+    p.add_argument("-m", "--module", dest="module", action="store_true", help="SCRIPT is a module name (python -m)")
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="torchrun's single-node flag: one node, rendezvous on a free local port (what runs without it too)",
+    )
+    for flags, fix in _TORCHRUN_ONLY.items():
+        p.add_argument(*flags, nargs="?", action=_TorchrunOnly, fix=fix, help=argparse.SUPPRESS)
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
     return p
@@ -271,6 +314,11 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
     """Command line -> validated LaunchConfig; raises UsageError on any bad input."""
     ns = _build_parser().parse_args(list(argv))
     _check_renamed_env(os.environ, "the environment")
+    if ns.standalone and (ns.rdzv_endpoint is not None or ns.nnodes not in (None, "1") or ns.j is not None):
+        raise UsageError(
+            "--standalone is a single node with a local rendezvous: drop --nnodes/-j/--rdzv-endpoint, or drop "
+            "--standalone for a job over several nodes"
+        )
     if ns.j is not None and (ns.nnodes is not None or ns.nproc_per_node is not None):
         raise UsageError("-j replaces --nnodes/--nproc-per-node; pass one or the other")
     nnodes, nproc = ns.nnodes or "1", ns.nproc_per_node or "auto"

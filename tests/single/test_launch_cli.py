@@ -156,3 +156,39 @@ def test_launcher_imports_neither_torch_nor_the_compile_stack(tmp_path):
     res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_a_torchrun_command_line_parses_as_ours(monkeypatch, tmp_path):
+    """`torchrun --standalone --nproc_per_node=2 ...` with `python -m launch` in its place: torchrun's spellings of
+    the options we share (underscores, `--module`) and its single-node flag mean what they mean there."""
+    monkeypatch.setattr(launch_args, "visible_gpus", lambda: 0)
+    script = tmp_path / "s.py"
+    script.write_text("")
+    ours = cli.parse_args(["--nproc-per-node", "3", "--max-restarts", "1", "--log-dir", "L", str(script), "--x"])
+    theirs = cli.parse_args(
+        ["--standalone", "--nproc_per_node=3", "--max_restarts=1", "--log_dir", "L", str(script), "--x"]
+    )
+    same = ("nnodes", "nproc_per_node", "max_restarts", "log_dir", "script_args", "rdzv_endpoint", "target")
+    assert [getattr(theirs, f) for f in same] == [getattr(ours, f) for f in same]
+    assert cli.parse_args(["--module", "json.tool"]).module is True
+    endpoint = cli.parse_args(["--nnodes", "2", "--rdzv_endpoint", "h:29400", "--rdzv_id", "job1", str(script)])
+    assert (endpoint.rdzv_endpoint, endpoint.rdzv_id) == ("h:29400", "job1")
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--master_addr=h", "--master_port=29500", "--node_rank=0"], "--master_addr is torchrun's.*--rdzv-endpoint"),
+        (["--node-rank", "1"], "--node-rank is torchrun's.*--rdzv-endpoint MASTER_ADDR:MASTER_PORT"),
+        (["--rdzv_backend=c10d"], "--rdzv_backend is torchrun's.*drop it"),
+        (["--tee", "3"], "--tee is torchrun's.*--log-dir"),
+        (["--no-python"], "--no-python is torchrun's.*-m"),
+        (["--standalone", "--nnodes", "2"], "--standalone is a single node.*drop --nnodes"),
+        (["--standalone", "--rdzv-endpoint", "h:1"], "--standalone is a single node"),
+    ],
+)
+def test_torchrun_options_we_lack_are_refused_by_name_with_the_fix(tmp_path, argv, match):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with pytest.raises(launch_args.UsageError, match=match):
+        cli.parse_args([*argv, str(script)])
