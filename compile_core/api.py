@@ -21,6 +21,7 @@ import logging
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import DynamoError, root_cause
@@ -206,6 +207,10 @@ class CompileState:
     def _note(self, note: str) -> None:
         self._log.notes.append(note)
         log.warning("compile_core: %s", note)
+
+    def join_hook(self, hook: JoinHook) -> JoinHook:
+        """DDP's join hook for `ddp.join()`, as this model's mode needs it (compile_core/in_place.py asks)."""
+        return self._mode.join_hook(hook)
 
     def give_way(self) -> None:
         """Undo this compile of a plain module, for the compile of a DDP model that wrapped it since

@@ -5,7 +5,8 @@ A script that wrapped its DDP model in `torch.compile` reads and writes attribut
 checks `isinstance(model, DistributedDataParallel)` and saves `state_dict()`. So we do not hand back a
 wrapper: the model's class becomes a subclass of its own class with `CompiledModel` mixed in (same name,
 same behaviour, plus `report()` and `compile_state`), and what the compile keeps is one `CompileState`
-stored on the instance. Its `compile()` (torch's `nn.Module.compile`, unless the class has its own) refuses:
+stored on the instance. A DDP model's `join_hook` (what `ddp.join()` asks for) passes through its mode. Its
+`compile()` (torch's `nn.Module.compile`, unless the class has its own) refuses:
 it would install torch's compiled call in place of ours (without DDP nothing of ours would run again) or
 around ours (DDP's call, with PyTorch's DDPOptimizer). A copy of the model (`copy.deepcopy`, pickling) is
 the plain eager model again: its class is the user's, and what we attached to its modules (the compiled call,
@@ -64,6 +65,8 @@ def compile_in_place(model: torch.nn.Module, state: Any) -> None:
         }
         if getattr(base, "compile", None) is torch.nn.Module.compile:
             namespace["compile"] = _refuse_module_compile
+        if issubclass(base, torch.nn.parallel.DistributedDataParallel):
+            namespace["join_hook"] = _join_hook
         cls = type(base.__name__, (base, CompiledModel), namespace)
         _COMPILED_CLASSES[base] = cls
     if getattr(base, "report", None) is not None:
@@ -82,6 +85,11 @@ def uncompile_in_place(model: torch.nn.Module) -> None:
 
 def _user_class(cls: type) -> type:
     return next(c for c in cls.__mro__ if c is not CompiledModel and not issubclass(c, CompiledModel))
+
+
+def _join_hook(self: Any, **kwargs: Any) -> Any:
+    # `ddp.join()` asks for it on every rank as the context is entered: the mode may need DDP's reducer back.
+    return self.compile_state.join_hook(_user_class(type(self)).join_hook(self, **kwargs))
 
 
 def _refuse_module_compile(self: Any, *args: Any, **kwargs: Any) -> None:

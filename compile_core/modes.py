@@ -25,6 +25,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 import torch.fx as fx
+from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_dynamo import pytorch_ddp_optimizer
@@ -96,6 +97,10 @@ class CompileMode:
 
     def install(self, model: torch.nn.Module, inner: torch.nn.Module, events: CompileEvents) -> None:
         """Hooks this mode needs on the model, once, after the compiled function is in place."""
+
+    def join_hook(self, hook: JoinHook) -> JoinHook:
+        """DDP's join hook for `ddp.join()` (called on every rank as the context is entered), or a wrapper."""
+        return hook
 
     def before_forward(self) -> None:
         """Between iterations, before DDP's pre-forward."""
@@ -274,16 +279,10 @@ class InGraphMode(CompileMode):
             self._reducer.after_forward(output)
 
     def before_forward(self) -> None:
-        if torch.is_grad_enabled() and torch_ddp.join_enabled(self.ctx.ddp):
-            # A rank that ran out of inputs shadows the all-reduces of DDP's reducer buckets, not the
-            # ones inside our compiled backward: sizes and counts would not match (a hang on nccl,
-            # an abort on gloo). Every rank runs at least this first forward inside join(): all refuse.
-            raise RuntimeError(
-                "ddp='in_graph' cannot run inside DistributedDataParallel.join() (uneven inputs): a rank that "
-                "joins early shadows DDP's reducer buckets, not the all-reduces compiled into the backward. "
-                "Use ddp='split' (DDP's reducer keeps its join hooks), or give every rank the same number of batches"
-            )
         self._reducer.before_forward()
+
+    def join_hook(self, hook: JoinHook) -> JoinHook:
+        return self._reducer.join_hook(hook)
 
     def report_fields(self) -> dict[str, Any]:
         return {"in_graph": self._reducer.to_dict()}

@@ -1,7 +1,7 @@
 """DDP's reducer replaced by one we build, in one place (a home of private torch internals, like
 `ddp/torch_ddp.py`): whether DDP's options let a replacement keep its behaviour (`reducer_swap_blocker`), a
-reducer on our bucket layout (`install_reducer`), and an idle one that frees DDP's gradient buckets
-(`release_reducer_buckets`).
+reducer on our bucket layout (`install_reducer`), an idle one that frees DDP's gradient buckets
+(`release_reducer_buckets`), and one with buckets again (`restore_reducer_buckets`).
 
 Everything is read from torch 2.13's `torch/nn/parallel/distributed.py` (called `distributed.py` below) and
 `reducer.cpp` unless a function says otherwise; `tests/single/test_torch_internals_ddp.py` has their canaries.
@@ -131,6 +131,17 @@ def release_reducer_buckets(ddp: DistributedDataParallel) -> int:
     ddp.logger = logger
     ddp._has_rebuilt_buckets = True
     return released
+
+
+def restore_reducer_buckets(ddp: DistributedDataParallel) -> None:
+    """Undo `release_reducer_buckets`: a reducer that reduces every parameter again, one bucket per dtype and
+    device, the last parameters first (as gradients become ready), through `install_reducer` (its layout
+    freeze is a broadcast from rank 0: every rank calls this together)."""
+    params, sparse = reducer_params(ddp)
+    by_key: dict[tuple, list[int]] = {}
+    for i in reversed(range(len(params))):
+        by_key.setdefault((params[i].dtype, params[i].device), []).append(i)
+    install_reducer(ddp, params, sparse, list(by_key.values()))
 
 
 def _new_reducer(

@@ -156,7 +156,9 @@ class InBackwardController:
             if outcome.stop_reason is not None:
                 self._stop(outcome.stop_reason)  # this update is done (the rest by the normal step); not the next
             return True
-        if outcome.hook_reason is None and outcome.graphs == 0:
+        if not outcome.in_graph:  # DDP's reducer reduced this step (inside ddp.join(): ddp/in_graph/join.py)
+            self._stop(f"the compiled backward does not reduce: {outcome.not_in_graph_reason}")
+        elif outcome.hook_reason is None and outcome.graphs == 0:
             # torch 2.11: a graph break inside the loop over the blocks, and Dynamo compiled no frame of the model
             self._stop("no compiled graph ran in the forward (Dynamo ran the model eagerly); the update stays after it")
         else:

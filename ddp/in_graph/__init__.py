@@ -13,7 +13,8 @@
 * `policy.py` -- which reduction a comm hook asks for (compiled in, or left to DDP's reducer);
 * `probe.py` -- finds parameters with gradient producers outside a single compiled graph;
 * `after_backward.py` -- which parameters are left to the reduction after the backward (outside, hooked);
-* `leftovers.py` -- the reduction after the backward of what the graphs did not reduce alone.
+* `leftovers.py` -- the reduction after the backward of what the graphs did not reduce alone;
+* `join.py` -- inside `ddp.join()` (uneven inputs) DDP's reducer reduces, with buckets again.
 """
 
 from __future__ import annotations

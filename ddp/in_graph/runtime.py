@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_eager import tree_leaves
@@ -71,6 +72,8 @@ from ddp.in_graph.compile_graph import Bucketing, CompileFn, GraphCompiler
 from ddp.in_graph.dispatch import GraphLog, RunParams
 from ddp.in_graph.hooked_runs import HookedRuns
 from ddp.in_graph.hooks import BackwardHook, GraphInputs, GraphToCompile, HookedGraph, StepOutcome
+from ddp.in_graph.join import REASON as JOIN_REASON
+from ddp.in_graph.join import JoinWindow
 from ddp.in_graph.leftovers import LeftoverReducer
 from ddp.in_graph.policy import Reduction, reduction_for
 from ddp.in_graph.probe import OutsideGradientProbe, graph_uses
@@ -152,6 +155,9 @@ class InGraphReducer:
         """How many compiled graphs ran in the last synchronising step's forward."""
         self.grads_kept = 0
         """Parameters holding a `.grad` when the last synchronising backward ended."""
+        self.join = JoinWindow(ddp)
+        """Open from `ddp.join()` to the end of its post-hook: DDP's reducer reduces meanwhile (join.py)."""
+        self._ddp_reduces = False  # this forward's reduction is DDP's (no comm hook of ours, or inside join())
         if not self.reduction.in_graph:
             log.warning("compile_core: ddp='in_graph' is not reducing in the graph: %s", self.reduction.reason)
 
@@ -173,9 +179,22 @@ class InGraphReducer:
             reduced_after=tuple(self.last_leftovers),
             ignored=tuple(sorted(self.ignored)),
             grads_kept=self.grads_kept,
-            in_graph=self.reduction.in_graph,
-            not_in_graph_reason=self.reduction.reason,
+            in_graph=self.reduction.in_graph and not self._ddp_reduces,
+            not_in_graph_reason=self.reduction.reason or (JOIN_REASON if self._ddp_reduces else None),
         )
+
+    def join_hook(self, hook: JoinHook) -> JoinHook:
+        """`ddp.join()` is entered (every rank at once): DDP's reducer gets buckets again and reduces until the
+        window `hook` opens closes (Note [ddp="in_graph" inside join()], ddp/in_graph/join.py)."""
+        if getattr(self.ddp, "static_graph", False):
+            raise RuntimeError(
+                "ddp='in_graph' with DDP static_graph=True cannot run inside DistributedDataParallel.join() "
+                "(uneven inputs): use ddp='split', or give every rank the same number of batches"
+            )
+        if self.released_bytes is not None:
+            torch_ddp_reducer.restore_reducer_buckets(self.ddp)
+            self.released_bytes = None  # released again at the first synchronising step after the window
+        return self.join.enter(hook)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -187,6 +206,7 @@ class InGraphReducer:
             "find_unused_parameters": self._leftovers.find_unused,
             "not_updated_in_backward": list(self._skipped),
             "ddp_buckets_released_bytes": self.released_bytes,
+            "joins": self.join.opened,
         }
 
     # -- around DDP's forward ------------------------------------------------------------------------
@@ -195,8 +215,10 @@ class InGraphReducer:
         """Pick the variant; keep DDP's reducer idle during its forward (what `no_sync()` does)."""
         self._abandon_backward()  # a previous forward whose backward never ran
         self._check_hooks()
-        if not self.reduction.in_graph:
-            self.variant = "local"  # DDP's reducer, with the user's hook, does everything
+        self._ddp_reduces = not self.reduction.in_graph or self.join.ddp_reduces()
+        if self._ddp_reduces:
+            self.variant = "local"  # DDP's reducer (with the user's hook, or a joined rank's shadow) does everything
+            self._consumed = set()
             return
         if getattr(self.ddp, "static_graph", False):
             torch_ddp.keep_static_graph_reducer_idle(self.ddp)
@@ -218,7 +240,7 @@ class InGraphReducer:
     def after_forward(self, output: Any) -> None:
         """Restore DDP's flags as its own forward would leave them; agree if the graphs changed; arm the
         end-of-backward callback."""
-        if not self.reduction.in_graph:
+        if self._ddp_reduces:
             return
         runs, self._runs = self._runs, []
         sync = self.variant != "local"

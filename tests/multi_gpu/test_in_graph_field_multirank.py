@@ -160,6 +160,8 @@ SCENARIOS = {
     ),
     "join_uneven_inputs_split": lambda r: _join(r, "split"),
     "join_uneven_inputs_in_graph": lambda r: _join(r, "in_graph"),
+    "join_uneven_inputs_train_step_in_graph": lambda r: _join(r, "in_graph", "train_step"),
+    "join_uneven_inputs_in_backward": lambda r: _join(r, "in_graph", "train_step", optimizer_in_backward=True),
 }
 
 
@@ -193,29 +195,49 @@ def _refused(fn, error: type[Exception] | None = None) -> dict:
     return {"refused": ""}
 
 
-def _join(rank: int, mode: str) -> dict:
-    """`with ddp.join():` over 3 batches on rank 0 and 5 on rank 1, against the same eager DDP loop."""
+def _join(rank: int, mode: str, how: str = "compile", **kwargs) -> dict:
+    """`with ddp.join():` over 3 batches on rank 0 and 5 on rank 1, then 2 batches each outside it, against the
+    same eager DDP loop (`how`: the script's own loop over `compile_core.compile`, or `train_step`)."""
     import compile_core
 
     torch.manual_seed(0)
     model = to_rank_device(Headed())
     ref = to_rank_device(Headed())
     ref.load_state_dict(model.state_dict())
-    data = regression_data(rank, 3 if rank == 0 else 5, rank_device(rank))
+    uneven = regression_data(rank, 3 if rank == 0 else 5, rank_device(rank))
+    even = regression_data(rank + 10, 2, rank_device(rank))  # after join(): the graph reduces again
     out: dict = {}
     for tag, module in (("ours", model), ("ref", ref)):
         ddp = wrap_ddp(module, bucket_cap_mb=CAP_MB)
-        run = ddp if tag == "ref" else compile_core.compile(ddp, backend="aot_eager", ddp=mode, bucket_cap_mb=CAP_MB)
-        opt = torch.optim.SGD(module.parameters(), lr=0.05)
+        opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        loss_fn = torch.nn.functional.mse_loss
+        if tag == "ours" and how == "train_step":
+            step = compile_core.train_step(
+                ddp, opt, loss_fn, backend="aot_eager", ddp=mode, bucket_cap_mb=CAP_MB, **kwargs
+            )
+            report = step.report
+        else:
+            run = ddp
+            if tag == "ours":
+                run = compile_core.compile(ddp, backend="aot_eager", ddp=mode, bucket_cap_mb=CAP_MB)
+            report = getattr(run, "report", None)
+
+            def step(x, y, run=run, opt=opt):
+                loss_fn(run(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
         try:
             with ddp.join():
-                for (x,), y in data:
-                    torch.nn.functional.mse_loss(run(x), y).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                for (x,), y in uneven:
+                    step(x, y)
         except RuntimeError as err:
             out["refused"] = str(err)
             return out
+        for (x,), y in even:
+            step(x, y)
+        if tag == "ours":
+            out["report"] = report().to_dict()
     out["params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     out["ref"] = {n: p.detach().cpu().clone() for n, p in ref.named_parameters()}
     return out
@@ -328,19 +350,33 @@ def test_a_branch_taken_on_one_rank_only(results):
         assert "differ from rank 0 on 'graphs run'" in r["refused"] and "ddp='split'" in r["refused"], r
 
 
-def test_uneven_inputs_under_join_train_like_eager_ddp_in_split_mode(results):
-    for rank, r in enumerate(ok(results, "join_uneven_inputs_split")):
+JOINS = [
+    "join_uneven_inputs_split",
+    "join_uneven_inputs_in_graph",
+    "join_uneven_inputs_train_step_in_graph",
+    "join_uneven_inputs_in_backward",
+]
+
+
+@pytest.mark.parametrize("name", JOINS)
+def test_uneven_inputs_under_join_train_like_eager_ddp(results, name):
+    """In every mode, then 2 even steps after the join. In-graph modes were refused until session 60: a rank
+    that joins early shadows DDP's reducer buckets, so inside join() DDP's reducer reduces (given buckets back
+    as the context is entered), and after it the graph reduces again."""
+    for rank, r in enumerate(ok(results, name)):
         assert "refused" not in r, r["refused"]
-        for name, p in r["params"].items():
-            torch.testing.assert_close(
-                p, r["ref"][name], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
-            )
-
-
-def test_uneven_inputs_under_join_are_refused_by_name_in_graph_mode(results):
-    """No collective mismatch (an abort on gloo, a hang on nccl): every rank refuses at its first forward."""
-    for r in ok(results, "join_uneven_inputs_in_graph"):
-        assert "join()" in r.get("refused", "") and "ddp='split'" in r["refused"], r
+        for n, p in r["params"].items():
+            torch.testing.assert_close(p, r["ref"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {n}: {m}")
+    if name == "join_uneven_inputs_split":
+        return
+    report = ok(results, name)[0]["report"]
+    in_graph = report["in_graph"]
+    assert in_graph["joins"] == 1, in_graph
+    if name == "join_uneven_inputs_in_backward":
+        assert "join()" in report["optimizer_in_backward"]["reason"], report["optimizer_in_backward"]
+    else:  # the steps after the join reduced in the graph again, with DDP's buckets released once more
+        assert in_graph["ddp_buckets_released_bytes"], in_graph
+        assert in_graph["reducer"] == "compiled backward"
 
 
 def test_delayed_all_reduce_parameters_are_refused_by_name_in_graph_mode(results):

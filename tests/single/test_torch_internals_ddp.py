@@ -202,6 +202,28 @@ def test_release_reducer_buckets_leaves_ddp_working_with_an_idle_one_element_red
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_restore_reducer_buckets_gives_a_released_ddp_real_buckets_that_reduce():
+    with canary("ddp/torch_ddp_reducer.py:restore_reducer_buckets"):
+        ddp = two_layers()
+        params, _ = torch_ddp.reducer_params(ddp)
+        torch_ddp_reducer.release_reducer_buckets(ddp)
+        seen: list[list[int]] = []
+
+        def hook(state, bucket):
+            seen.append([p.numel() for p in bucket.parameters()])
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, hook)
+        torch_ddp_reducer.restore_reducer_buckets(ddp)
+        assert torch_ddp.reducer_bucket_elements(ddp) == sum(p.numel() for p in params)
+        ddp(torch.randn(3, 8)).sum().backward()
+        assert seen == [[2, 16, 8, 64]]  # one fp32 bucket, the last layer's parameters first
+        assert all(p.grad is not None for p in params)
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_install_reducer_gives_ddp_our_buckets_and_keeps_hooks():
     with canary("ddp/torch_ddp_reducer.py:install_reducer"):
         ddp = two_layers()
