@@ -185,7 +185,7 @@ class InGraphReducer:
 
     def join_hook(self, hook: JoinHook) -> JoinHook:
         """`ddp.join()` is entered (every rank at once): DDP's reducer gets buckets again and reduces until the
-        window `hook` opens closes (Note [ddp="in_graph" inside join()], ddp/in_graph/join.py)."""
+        join window closes after `hook`'s post-hook (Note [ddp="in_graph" inside join()], ddp/in_graph/join.py)."""
         if getattr(self.ddp, "static_graph", False):
             raise RuntimeError(
                 "ddp='in_graph' with DDP static_graph=True cannot run inside DistributedDataParallel.join() "
@@ -218,7 +218,6 @@ class InGraphReducer:
         self._ddp_reduces = not self.reduction.in_graph or self.join.ddp_reduces()
         if self._ddp_reduces:
             self.variant = "local"  # DDP's reducer (with the user's hook, or a joined rank's shadow) does everything
-            self._consumed = set()
             return
         if getattr(self.ddp, "static_graph", False):
             torch_ddp.keep_static_graph_reducer_idle(self.ddp)
