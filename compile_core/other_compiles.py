@@ -33,13 +33,13 @@ def take_their_place(handed: torch.nn.Module, model: torch.nn.Module, inner: tor
     """Undo the compiles of `model` (what `compile_core.compile` compiles; `handed`: what the script handed in)
     and of `inner` (the module DDP wraps, or `model`) that ours replaces; one note per compile undone."""
     notes = []
-    compiles = "compile_core compiles it; the backend and options given to torch.compile are not used"
+    unused = "the backend and options given to torch.compile are not used"
+    compiles = f"compile_core compiles it; {unused}"
     if handed is not model:
         uncompile_torch_wrapper(handed)
         notes.append(
             f"the model handed in is torch.compile's wrapper of {type(model).__name__}: compile_core compiles the "
-            f"{type(model).__name__} model inside and returns it (the wrapper's call runs it too); the backend and "
-            "options given to torch.compile are not used"
+            f"{type(model).__name__} model inside and returns it (the wrapper's call runs it too); {unused}"
         )
     elif model is not inner and installed_compiled_call(model) is not None:
         uninstall_compiled_call(model)
@@ -62,9 +62,10 @@ def refuse_module_compile_after_ours(ddp: torch.nn.Module, inner: torch.nn.Modul
     """At the DDP model's forward: a `module.compile()` after ours that the compiled class's `compile` did not
     refuse (`ddp.module.compile()`: DDP's forward would call torch's compiled module, not ours;
     `nn.Module.compile(ddp)`: torch's compile of DDP's call around ours) is undone, and this forward refused."""
-    if installed_compiled_call(inner) is ours and installed_compiled_call(ddp) is None:
+    on_ddp = installed_compiled_call(ddp)
+    if on_ddp is None and installed_compiled_call(inner) is ours:
         return
-    which = ddp if installed_compiled_call(ddp) is not None else inner
+    which = ddp if on_ddp is not None else inner
     uninstall_compiled_call(ddp)
     install_compiled_call(inner, ours)
     raise ValueError(
