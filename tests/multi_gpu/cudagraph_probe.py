@@ -11,9 +11,11 @@ out of CUDA graphs (and the first reason it logged), whether the update ran insi
 median step time after the first 3 steps (`--parallel N` runs N modes at once: faster, but their step
 times then share the device).
 
-`in_backward` lifts the train step's refusal of CUDA graphs with updates inside the backward for this process
-only (`compile_core/in_backward/path.py: in_backward_blocker`): the probe is how that refusal gets lifted or
-kept. On the CPU the modes run with CUDA graphs asked for and none captured (a check of the probe itself).
+The `in_backward` modes lift the train step's refusal of CUDA graphs with updates inside the backward (left,
+since session 61's H100 run, for accumulation only) for this process (`compile_core/in_backward/path.py:
+in_backward_blocker`): the probe is how that refusal gets lifted or kept. A failing child's whole output goes
+to `cudagraph_probe_<mode>.log` in the working directory (`$OUT` where set), not only its end. On the CPU the
+modes run with CUDA graphs asked for and none captured (a check of the probe itself).
 """
 
 from __future__ import annotations
@@ -186,8 +188,17 @@ def main(argv: list[str]) -> int:
             continue
         failed += 1
         why = f"exit code {child.returncode}" if child.returncode >= 0 else f"killed by signal {-child.returncode}"
-        print(f"== {mode}: {why} (a timeout kills it); the end of its output:", flush=True)
-        print("\n".join(output.splitlines()[-30:]), flush=True)
+        kept = os.path.join(os.environ.get("OUT", "."), f"cudagraph_probe_{mode}.log")
+        with open(kept, "w") as f:
+            f.write(output)
+        print(
+            f"== {mode}: {why} (a timeout kills it); its whole output: {kept}; where its first traceback "
+            "starts, then its end:",
+            flush=True,
+        )
+        out_lines = output.splitlines()
+        first = next((i for i, line in enumerate(out_lines) if "Traceback" in line), len(out_lines))
+        print("\n".join(out_lines[first : first + 30] + ["[...]"] + out_lines[-30:]), flush=True)
     logs.cleanup()
     return 1 if failed else 0
 
