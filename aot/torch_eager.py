@@ -190,6 +190,11 @@ def version_of(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
+def versions_of(tensors: "list[torch.Tensor]") -> list[int]:
+    """`version_of` of each tensor, in one call (a list compared at C speed: no Python call per tensor)."""
+    return [t._version for t in tensors]
+
+
 def set_version(tensor: torch.Tensor, version: int) -> None:
     """Set the tensor's version counter, so that autograd accepts it as saved at `version` although it was
     written in place since (the values it then reads are the current ones: the caller's intent).

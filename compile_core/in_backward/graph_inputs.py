@@ -65,7 +65,7 @@ class UpdatesHook:
         # device), shared by its parameters.
         wanted = [(params[i], key) for i, template in templates.items() for key in template.state_keys]
         examples = [torch.zeros_like(t) for t in provider.state_tensors(wanted)]
-        state_inputs = iter(inputs.add_many(examples, lambda: provider.state_tensors(wanted), fixed_address=True))
+        state_inputs = iter(inputs.add_many(examples, provider.state_producer(wanted), fixed_address=True))
         tables: dict[Any, int] = {}
         role_inputs: dict[int, tuple[int, ...]] = {}
         rows: dict[int, int] = {}

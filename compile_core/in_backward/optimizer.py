@@ -55,6 +55,8 @@ class OptimizerInBackward:
         (`BackwardHook.generation`, ddp/in_graph/hooks.py)."""
         self._members: dict[tuple[int, torch.device], list[torch.nn.Parameter]] = {}
         """Per (group, device): its parameters as `prepare` first saw them, in group order (a row each)."""
+        self._member_ids: dict[tuple[int, torch.device], list[int]] = {}
+        """`_members` as ids (the keys of `_state_of`)."""
         self._slot: dict[int, tuple[tuple[int, torch.device], int]] = {}  # param id -> (table key, row)
         self._tables: dict[tuple[int, torch.device], torch.Tensor] = {}  # this update's scalar rows, per key
         self._state_of: dict[int, dict] = {}
@@ -78,6 +80,7 @@ class OptimizerInBackward:
                     members = self._members.setdefault((index, p.device), [])
                     self._slot[id(p)] = ((index, p.device), len(members))
                     members.append(p)
+                    self._member_ids.setdefault((index, p.device), []).append(id(p))
                 if not self._fusable(index, p):
                     self.template_for(p)
         self._with_state = [p for g in self.optimizer.param_groups for p in g["params"] if self._ready(p, g)]
@@ -106,17 +109,19 @@ class OptimizerInBackward:
         A parameter without state (no update here) gets the row of step 1, unread."""
         adam = optim_math.is_adam(self.optimizer)
         self._state_of = state_of = {id(p): state for p, state in self.optimizer.state.items()}
-        for (index, device), members in self._members.items():
-            group = self.optimizer.param_groups[index]
-            if adam:
+        for key, members in self._members.items():
+            group, ids = self.optimizer.param_groups[key[0]], self._member_ids[key]
+            if not adam:
+                steps = [0.0] * len(members)
+            elif all("step" in state_of.get(i, ()) for i in ids):
+                steps = self._steps.next_steps_of(key, ids, [state_of[i]["step"] for i in ids])  # the usual case
+            else:
                 counted = [i for i, p in enumerate(members) if "step" in state_of.get(id(p), ())]
                 known = self._steps.next_steps([(id(members[i]), state_of[id(members[i])]["step"]) for i in counted])
                 steps = [1.0] * len(members)
                 for i, s in zip(counted, known):
                     steps[i] = s
-            else:
-                steps = [0.0] * len(members)
-            self._tables[(index, device)] = optim_math.scalars(self.optimizer, group, steps, device)
+            self._tables[key] = optim_math.scalars(self.optimizer, group, steps, key[1])
 
     def advance_steps(self, updated: frozenset[int]) -> None:
         """After a backward that updated the parameters with these ids: their step counts + 1, as torch's
@@ -251,6 +256,21 @@ class OptimizerInBackward:
         (`load_state_dict` replaces them), else, for a parameter that refresh did not see, in the optimizer's."""
         state_of, state = self._state_of, self.optimizer.state
         return [(s if (s := state_of.get(id(p))) is not None else state[p])[key] for p, key in wanted]
+
+    def state_producer(self, wanted: Sequence[tuple[torch.nn.Parameter, str]]) -> Callable[[], list[torch.Tensor]]:
+        """`state_tensors(wanted)` as a call without arguments, run before every forward of the graph (where the
+        GPU waits for the host): the ids are taken once, and a parameter that `refresh` did not see (a KeyError)
+        takes the general lookup."""
+        keyed = [(id(p), key) for p, key in wanted]
+
+        def produce() -> list[torch.Tensor]:
+            state_of = self._state_of
+            try:
+                return [state_of[i][key] for i, key in keyed]
+            except KeyError:
+                return self.state_tensors(wanted)
+
+        return produce
 
     def scalar_table(self, param: torch.nn.Parameter) -> tuple[Any, torch.Tensor, int]:
         """(key, table, row): this update's scalar table of the parameter's group and device, and the

@@ -29,12 +29,13 @@ Complex parameters are not covered (`covers()` says so: they keep torch's own `o
 
 from __future__ import annotations
 
+import operator
 from array import array
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from aot.torch_eager import add_to_each, version_of
+from aot.torch_eager import add_to_each, version_of, versions_of
 
 ADAM_SCALARS = (
     "weight_decay_or_decay",
@@ -125,11 +126,31 @@ class KnownSteps:
 
     A count is vouched for while it is the same tensor at the version the host left it at: any in-place
     write (torch's own step, a user's `+=`) moves its version (`aot/torch_eager.py: version_of`), and a
-    loaded or cleared state brings another tensor."""
+    loaded or cleared state brings another tensor.
+
+    `next_steps_of` answers for a whole table at once: the answer the host expects for it (the same count
+    tensors at the versions its own `advance` left) is checked by two list comparisons before the forward,
+    where the GPU waits for the host; the per-count bookkeeping happens in `advance`, after the backward."""
 
     def __init__(self) -> None:
         self._known: dict[int, tuple[torch.Tensor, int, float]] = {}
         """key -> (the count tensor, its version then, its value then)."""
+        self._expected: dict[Any, tuple[list[torch.Tensor], list[int], list[float]]] = {}
+        """table -> (its count tensors, their versions, the steps `next_steps_of` answers while they hold)."""
+
+    def next_steps_of(self, table: Any, keys: Sequence[int], counts: list[torch.Tensor]) -> list[float]:
+        """`next_steps` of `zip(keys, counts)`, for the counts of one table (the same keys at every call)."""
+        expected = self._expected.get(table)
+        if (
+            expected is not None
+            and len(expected[0]) == len(counts)
+            and all(map(operator.is_, counts, expected[0]))
+            and versions_of(counts) == expected[1]
+        ):
+            return list(expected[2])
+        steps = self.next_steps(list(zip(keys, counts)))
+        self._expected[table] = (counts, versions_of(counts), steps)
+        return list(steps)
 
     def next_steps(self, counts: Sequence[tuple[int, torch.Tensor]]) -> list[float]:
         """For each (key, count tensor): the step the next update brings it to (its value + 1)."""
@@ -149,7 +170,9 @@ class KnownSteps:
         return steps
 
     def advance(self, counts: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Each count + 1 in place (one foreach op per device), still vouched for where it was before."""
+        """Each count + 1 in place (one foreach op per device), still vouched for where it was before; a table
+        whose counts all advanced from what it expected expects the next steps (any other write: read again)."""
+        before = {id(count): version_of(count) for _, count in counts}
         add_to_each([count for _, count in counts], 1)
         known = self._known
         for key, count in counts:
@@ -158,6 +181,11 @@ class KnownSteps:
                 known[key] = (count, entry[1] + 1, entry[2] + 1)
             else:
                 known.pop(key, None)
+        for table, (tensors, versions, steps) in list(self._expected.items()):
+            if not all(before.get(id(t)) == v and version_of(t) == v + 1 for t, v in zip(tensors, versions)):
+                del self._expected[table]
+                continue
+            self._expected[table] = (tensors, [v + 1 for v in versions], [s + 1 for s in steps])
 
 
 def scalars(
@@ -187,11 +215,13 @@ def scalars(
         host = torch.tensor([], dtype=torch.float32)
     else:
         if len(rows) == 1:
-            flat = rows[0] * len(steps)
+            flat = array("f", rows[0]) * len(steps)  # one row converted, then repeated in C
         else:
-            row_of = dict(zip(distinct, rows))
-            flat = [x for s in steps for x in row_of[s]]
-        host = torch.frombuffer(array("f", flat), dtype=torch.float32).view(len(steps), -1)
+            row_of = {s: array("f", row) for s, row in zip(distinct, rows)}
+            flat = array("f")
+            for s in steps:
+                flat.extend(row_of[s])
+        host = torch.frombuffer(flat, dtype=torch.float32).view(len(steps), -1)
     if device is None or torch.device(device).type == "cpu":
         return host
     if torch.device(device).type == "cuda":

@@ -334,6 +334,32 @@ def test_step_counts_the_host_advanced_are_not_read_back_until_someone_else_writ
     assert known.next_steps([(2, b)]) == [3.0] and reads == [2, 1, 1, 1]
 
 
+def test_a_table_of_step_counts_the_host_advanced_is_answered_without_a_look_at_each_count(monkeypatch):
+    """`KnownSteps.next_steps_of`: before the forward (where a GPU waits for the host) a table whose counts the
+    host itself advanced is answered from what it expects; a count written by anyone else, one the host did not
+    advance, or another tensor in its place sends the table back to the per-count path."""
+    from compile_core.step import optim_math
+
+    per_count = []
+    real = optim_math.KnownSteps.next_steps
+    monkeypatch.setattr(optim_math.KnownSteps, "next_steps", lambda self, c: per_count.append(len(c)) or real(self, c))
+    a, b = torch.tensor(3.0), torch.tensor(7.0)
+    known = optim_math.KnownSteps()
+    assert known.next_steps_of("t", [1, 2], [a, b]) == [4.0, 8.0] and per_count == [2]
+    assert known.next_steps_of("t", [1, 2], [a, b]) == [4.0, 8.0] and per_count == [2]  # nothing moved
+    known.advance([(1, a), (2, b)])
+    assert known.next_steps_of("t", [1, 2], [a, b]) == [5.0, 9.0] and per_count == [2]
+    b.zero_()  # torch's own step, or a user rewinding the bias correction
+    assert known.next_steps_of("t", [1, 2], [a, b]) == [5.0, 1.0] and per_count == [2, 2]
+    known.advance([(1, a)])  # only one of the table's counts
+    assert known.next_steps_of("t", [1, 2], [a, b]) == [6.0, 1.0] and per_count == [2, 2, 2]
+    c = torch.tensor(10.0)  # a loaded state: another tensor under the same key
+    assert known.next_steps_of("t", [1, 2], [c, b]) == [11.0, 1.0] and per_count == [2, 2, 2, 2]
+    b.add_(1)  # written between the read and the host's advance
+    known.advance([(1, c), (2, b)])
+    assert known.next_steps_of("t", [1, 2], [c, b]) == [12.0, 3.0] and per_count == [2, 2, 2, 2, 2]
+
+
 def test_a_param_group_shares_one_scalar_table_and_step_counts_advance_on_the_host():
     """Every input of the compiled backward costs host time at each call: the update reads one table of
     scalars per param group and device (a row per parameter, each for that parameter's own step count), and

@@ -504,6 +504,11 @@ def test_version_of_counts_in_place_writes_and_not_reads():
         before = torch_eager.version_of(count)
         opt.step()  # torch's own step advances the count in place
         assert torch_eager.version_of(count) > before
+    with canary("aot/torch_eager.py:versions_of"):
+        a, b = torch.tensor(1.0), torch.tensor(2.0)
+        versions = torch_eager.versions_of([a, b])
+        b.add_(1)
+        assert torch_eager.versions_of([a, b]) == [versions[0], versions[1] + 1]
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
