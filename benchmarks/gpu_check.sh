@@ -20,11 +20,14 @@
 #   cudagraphs_probe  each train-step mode under mode="reduce-overhead" against eager DDP, one child process per
 #                     mode (a crash names its mode): split, in_graph, and in-backward updates with the train step's
 #                     refusal of them under CUDA graphs lifted for the probe (tests/multi_gpu/cudagraph_probe.py)
-#   issue34           issue 34 in one device call: the in-backward modes under CUDA graphs (the probe above, 3 at
-#                     once, beside the benchmark's cold compiles), and the GPU benchmark (benchmarks/gpu_bench.sh:
-#                     fp32 and bf16, torch_savvy, torch_fused and our train-step modes, warm start-up of the
-#                     in-backward step, memory at the peak) with the time left; its JSON and markdown under $OUT/gpu34. PROBE_ARGS and
-#                     BENCH34_ARGS replace the probe's extra arguments and the benchmark's (a CPU dry run)
+#   issue34           issue 34 in one device call (BUDGET_S=560, the call's timeout about 590 s): beside the
+#                     benchmark's cold compiles, the CUDA-graphs probe of the accumulating modes (PROBE34_MODES)
+#                     and the update kernels (benchmarks/update_kernels.py, $OUT/update_kernels.json); the GPU
+#                     benchmark (benchmarks/gpu_bench.sh: fp32 and bf16, torch_savvy, torch_fused and our
+#                     train-step modes, warm start-up of torch_savvy and the in-backward step, memory at the
+#                     peak) under $OUT/gpu34; then, with the last BENCH34_CG_S seconds (200), the fp32 train-step
+#                     modes under CUDA graphs (--compile-mode reduce-overhead) under $OUT/gpu34_cg. PROBE_ARGS,
+#                     UPDATE_KERNELS_ARGS, BENCH34_ARGS and BENCH34_CG_ARGS replace the arguments (a CPU dry run)
 #   bench_default     the benchmark's single-process part: world size 1 (nccl), comm workload, every compiled
 #                     mode, Inductor default mode
 #   bench_cudagraphs  the same with --compile-mode reduce-overhead (CUDA graphs) for every mode
@@ -111,15 +114,32 @@ grep -h -E '^(==|   )' $LOGS/diag_*.txt"
     regions_probe) part regions_probe 240 "$PY" -m tests.single.regions_probe cuda ;;
     cudagraphs_probe) part cudagraphs_probe "${PROBE_LIMIT_S:-420}" "$PY" -m tests.multi_gpu.cudagraph_probe --parallel 4 --timeout 300 ;;
     issue34)
-        # The probe runs beside the benchmark's cold compiles (phase A, well over its limit on this model), so
-        # it is over before any timed step runs; its own step times are not read.
+        # Beside the benchmark's cold compiles (its phase A: 130 s for 10 jobs in session 61), one after the
+        # other so that their kernels never share the GPU: the CUDA-graphs probe (its step times are not read),
+        # then the update kernels (their GPU ms are not touched by the compiles beside them; their host ms and
+        # compile seconds are). Both end before the first timed step.
         # shellcheck disable=SC2086 # PROBE_ARGS is a list of arguments
-        part probe_in_backward "${PROBE_LIMIT_S:-140}" "$PY" -m tests.multi_gpu.cudagraph_probe --parallel 3 \
-            --timeout "${PROBE_CHILD_S:-120}" ${PROBE_ARGS:-} in_backward in_backward_clip in_backward_accum &
+        {
+            part probe_in_backward "${PROBE_LIMIT_S:-70}" "$PY" -m tests.multi_gpu.cudagraph_probe --parallel 2 \
+                --timeout "${PROBE_CHILD_S:-65}" ${PROBE_ARGS:-${PROBE34_MODES:-in_backward_accum in_graph_accum}}
+            part update_kernels "${UPDATE_KERNELS_LIMIT_S:-70}" "$PY" -m benchmarks.update_kernels \
+                --out "$OUT/update_kernels.json" ${UPDATE_KERNELS_ARGS:-}
+        } &
         left=$((DEADLINE - $(date +%s) - 30))
+        cg=${BENCH34_CG_S:-200} # the fp32 run under CUDA graphs (item 4) gets this much at the end; 0: none
+        ((cg > 0 && left - cg < 240)) && cg=0
         # shellcheck disable=SC2086 # BENCH34_ARGS is a list of arguments
-        part bench34 "$left" env OUT="$OUT/gpu34" BUDGET_S=$((left - 30)) PYTHON="$PY" bash benchmarks/gpu_bench.sh \
-            "${BENCH34_PRECISION:-fp32,bf16}" ${BENCH34_ARGS:---modes torch_savvy,torch_fused,ours_step,ours_step_in_graph,ours_step_in_backward --warm-modes ours_step_in_backward --profile-warm}
+        part bench34 "$((left - cg))" env OUT="$OUT/gpu34" BUDGET_S=$((left - cg - 30)) PYTHON="$PY" \
+            bash benchmarks/gpu_bench.sh "${BENCH34_PRECISION:-fp32,bf16}" ${BENCH34_ARGS:---modes \
+            torch_savvy,torch_fused,ours_step,ours_step_in_graph,ours_step_in_backward \
+            --warm-modes torch_savvy,ours_step_in_backward}
+        if ((cg > 0)); then
+            left=$((DEADLINE - $(date +%s) - 20))
+            # shellcheck disable=SC2086 # BENCH34_CG_ARGS is a list of arguments
+            part bench34_cg "$left" env OUT="$OUT/gpu34_cg" BUDGET_S=$((left - 20)) PYTHON="$PY" \
+                bash benchmarks/gpu_bench.sh fp32 --compile-mode reduce-overhead --warm-modes '' --tag cudagraphs \
+                ${BENCH34_CG_ARGS:---modes torch_savvy,ours_step,ours_step_in_graph,ours_step_in_backward}
+        fi
         ;;
     bench_default) bench bench_default "$BENCH_MODES" ;;
     bench_cudagraphs) bench bench_cudagraphs "${CUDAGRAPH_MODES:-$BENCH_MODES}" --compile-mode reduce-overhead ;;
@@ -129,7 +149,10 @@ done
 [[ -n ${GPU_CHECK_CHILD:-} ]] && exit 0 # a background part: the parent packs the logs
 wait
 tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz --exclude summary.txt . 2>/dev/null
-[[ -f $LOGS/bench34.log ]] && { echo "--- bench34.log"; grep -v -i -E "warn|^- |^<!--" "$LOGS/bench34.log" | tail -n 70 | cut -c1-300; }
+for log in "$LOGS"/bench34.log "$LOGS"/bench34_cg.log; do
+    [[ -f $log ]] && { echo "--- ${log##*/}"; grep -v -i -E "warn|^- |^<!--" "$log" | tail -n 70 | cut -c1-300; }
+done
+[[ -f $LOGS/update_kernels.log ]] && { echo "--- update_kernels.log"; grep -E "^(\||AdamW|\{)" "$LOGS/update_kernels.log" | cut -c1-300; }
 for log in "$LOGS"/probe_in_backward.log "$LOGS"/cudagraphs_probe.log "$LOGS"/families_diag.log "$LOGS"/regions_probe.log "$LOGS"/sync_bn.log "$LOGS"/in_graph_cuda.log; do # details, up front
     [[ -f $log ]] && { echo "--- ${log##*/}"; grep -v -i warn "$log" | tail -n 40 | cut -c1-400; }
 done
