@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="build the optimizer with foreach=True (its default on CUDA; on the CPU torch picks the per-tensor loop)",
     )
+    p.add_argument(
+        "--host-profile-steps",
+        type=int,
+        default=3,
+        help="steps after the timed ones under cProfile: where a steady step's host time goes, per mode (0: none)",
+    )
     p.add_argument("--backend", default="inductor")
     p.add_argument(
         "--compile-mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -298,7 +304,7 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
         f"{first.describe_optimizer()}, {parallel} cold compile(s) side by side, {threads_text}"
     )
     # precision-major: with --parallel below the job count, a whole precision compiles before the next
-    entries = [Entry(p, m, cfgs[p], args.foreach) for p in precisions for m in modes]
+    entries = [Entry(p, m, cfgs[p], args.foreach, args.host_profile_steps) for p in precisions for m in modes]
     warm_names = {m.strip() for m in args.warm_modes.split(",") if m.strip()}
     warm = [e for e in entries if e.tag == precisions[0] and e.mode in warm_names]  # start-up: first precision
     work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
@@ -360,6 +366,12 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
             print(f"  {p}/{mode}: {'; '.join(f'{where} x{count}' for where, count in reads) or '-'}")
     for p, result in zip(precisions, results):
         for mode, row in result["modes"].items():
+            found = row.get("host_profile")
+            if found:
+                print(f"\nsteady steps of {p}/{mode} under cProfile ({found.get('steps')} steps after the timed ones):")
+                print("\n".join(_profile_lines(found, n=10, per_step=found.get("steps") or 1)))
+    for p, result in zip(precisions, results):
+        for mode, row in result["modes"].items():
             found = row.get("startup_profile_warm")
             if found:
                 two = found.get("two_steps_s")
@@ -374,13 +386,17 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
     return 0
 
 
-def _profile_lines(found: dict[str, Any], n: int = 12) -> list[str]:
-    """The start-up profile's top functions by own time, then by cumulative time, one per line."""
+def _profile_lines(found: dict[str, Any], n: int = 12, per_step: int | None = None) -> list[str]:
+    """A cProfile's top functions by own time, then by cumulative time, one per line: seconds in all, or with
+    `per_step` (the steps profiled) ms and calls per step."""
     out = []
+    scale, unit = (1e3 / per_step, "ms/step") if per_step else (1.0, "s")
     for key in ("own", "cumulative"):
-        out.append(f"  by {key} time (own s, cumulative s, calls):")
+        out.append(f"  by {key} time (own {unit}, cumulative {unit}, calls{'/step' if per_step else ''}):")
         for r in found.get(key, [])[:n]:
-            out.append(f"    {r['own_s']:8.2f} {r['cumulative_s']:8.2f} {r['calls']:>8}  {r['where']}")
+            calls = r["calls"] / per_step if per_step else r["calls"]
+            own, cumulative = r["own_s"] * scale, r["cumulative_s"] * scale
+            out.append(f"    {own:8.2f} {cumulative:8.2f} {calls:>8g}  {r['where']}")
     return out
 
 

@@ -82,6 +82,8 @@ class Entry:
     mode: str
     cfg: BenchConfig
     foreach: bool = False
+    host_profile_steps: int = 0
+    """Steps after the timed ones whose host Python runs under cProfile (before the kernel profile)."""
 
     @property
     def label(self) -> str:
@@ -100,6 +102,7 @@ class Entry:
             # the gate after step 2 (start-up is read to there); the other warm-up steps run alone, after it,
             # and refill the allocator's cache that the wait gave back
             worker.update(profile_steps=cfg.profile_steps, kernel_profile=True, gate_dir=str(gate), gate_after=2)
+            worker["host_profile_steps"] = self.host_profile_steps
             # and one step more under the memory profiler: its peak by kind (benchmarks/memory_peak.py)
             worker["memory_profile_steps"] = 1
         else:  # warm, or warm_profiled: the same under cProfile (where a warm start-up spends its time)

@@ -70,6 +70,7 @@ def mode_row(
         pieces=(rank0.get("info") or {}).get("pieces"),
         kernels=kernels if kernels.get("measured") else None,
         memory_at_peak=rank0.get("memory_at_peak"),
+        host_profile=rank0.get("host_profile"),
         versions=rank0.get("versions"),
         device=rank0.get("device"),
         pg_backend=rank0.get("pg_backend"),

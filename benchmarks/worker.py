@@ -106,6 +106,9 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     kernel_profile = bool(spec.get("kernel_profile"))
     kernel_error = None
     memory_steps = int(spec.get("memory_profile_steps") or 0)  # after all others: benchmarks/memory_peak.py
+    # after the timed steps, before the kernel profile: a steady step's host Python under cProfile
+    host_steps = int(spec.get("host_profile_steps") or 0)
+    host_profile = cProfile.Profile() if host_steps else None
     # the first two steps under cProfile (a warm start-up's Python: where a cache hit still spends its time)
     startup = cProfile.Profile() if spec.get("startup_profile") else None
     batches = [
@@ -113,7 +116,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
             t.to(device)
             for t in synthetic_batch(cfg, spec["batch"], spec["seq_len"], step=i, rank=rank, seed=spec["seed"])
         )
-        for i in range(warmup + steps + profiled + memory_steps)
+        for i in range(warmup + steps + host_steps + profiled + memory_steps)
     ]
     clock = StepClock()
     peaks = memory.PeakTracker()
@@ -140,6 +143,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
                 cuda_peak = _cuda_peak_mb(device)
                 # what the job holds between steps, before the profiler starts (it allocates for a moment)
                 state_mb = memory.training_state_mb(model, optimizer, ddp)
+            if i == warmup + steps + host_steps:
                 # extra steps after the timed ones: never timed. The GPU benchmark's kernel profile may fail
                 # (CUPTI missing, a torch that traces differently) without losing the job's timings
                 try:
@@ -152,21 +156,24 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
                     kernel_error = f"the profiler did not start: {type(err).__name__}: {err}"
             mark_step = profiler.mark_step() if profiler is not None else contextlib.nullcontext()
             profiling_startup = startup is not None and i < 2
+            cprofile = startup if profiling_startup else None
+            if host_profile is not None and warmup + steps <= i < warmup + steps + host_steps:
+                cprofile = host_profile
             clock.start()
             _sync(device)
-            if profiling_startup:
-                startup.enable()
+            if cprofile is not None:
+                cprofile.enable()
             t0 = time.perf_counter()
             with mark_step:
                 loss = step.run(x, y)
             host_s.append(time.perf_counter() - t0)
+            if cprofile is not None:
+                cprofile.disable()  # the host's own work: not the wait for the device below
             _sync(device)
             step_s.append(time.perf_counter() - t0)
-            if profiling_startup:
-                startup.disable()
             clock.stop(step_s[-1])
             losses.append(float(loss))  # outside the timed region
-    if profiled == 0:
+    if profiled == 0 and host_steps == 0:
         peaks.stop_steady()
         cuda_peak = _cuda_peak_mb(device)
     memory_at_peak = None
@@ -199,7 +206,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "median_host_ms": 1e3 * statistics.median(host_s[warmup : warmup + steps]),
         "gate_wait_s": gate_wait_s,
         "versions": _versions(device),
-        "profiled_step_ms": [1e3 * s for s in step_s[warmup + steps :]],
+        "profiled_step_ms": [1e3 * s for s in step_s[warmup + steps + host_steps :]],
         "losses": losses,
         "final_loss": float(final.item()) / world_size,
         "param_checksum": param_checksum(dict(model.named_parameters()), initial),
@@ -212,10 +219,13 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     }
     if memory_at_peak is not None:
         result["memory_at_peak"] = memory_at_peak
-    if startup is not None:
+    if startup is not None or host_profile is not None:
         from benchmarks.breakdown import top_functions
 
-        result["startup_profile"] = {"two_steps_s": result["two_steps_s"], **top_functions(startup)}
+        if startup is not None:
+            result["startup_profile"] = {"two_steps_s": result["two_steps_s"], **top_functions(startup)}
+        if host_profile is not None:
+            result["host_profile"] = {"steps": host_steps, **top_functions(host_profile)}
     if kernel_profile:
         result["kernels"] = _kernels(profiler, kernel_error)
         result["state_mb"] = state_mb  # what the job held between steps, by kind (benchmarks/memory.py)

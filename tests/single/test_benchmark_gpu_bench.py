@@ -341,6 +341,11 @@ def test_a_tiny_cpu_run_writes_the_json_and_the_block(tmp_path):
     assert peak["held_mb"]["parameters"] > 0 and peak["held_mb"]["optimizer_state"] > 0, peak
     assert peak["peak_mb"] == pytest.approx(sum(peak["held_mb"].values()) + peak["step_peak_mb"])
     assert peak["where"] in ("forward", "backward", "after backward") and peak["step_peak_mb"] > 0, peak
+    # 3 steps after the timed ones under cProfile (the default): the step's own Python leads by cumulative time
+    host = row["host_profile"]
+    assert host["steps"] == 3 and len(host["own"]) == 20, host
+    assert host["cumulative"][0]["where"].startswith("benchmarks/mode_context.py:"), host["cumulative"][:3]
+    assert host["cumulative"][0]["calls"] == 3 and host["cumulative"][0]["cumulative_s"] > 0
     # phase C: a warm start-up, then one more with its first two steps under cProfile
     assert row["two_steps_s_warm"] > 0
     found = row["startup_profile_warm"]
