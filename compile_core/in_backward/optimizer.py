@@ -224,16 +224,22 @@ class OptimizerInBackward:
     def _fusable(self, index: int, param: torch.nn.Parameter) -> bool:
         """Whether torch's fused kernel can update `param` (contiguous and not empty: on CUDA the kernel refuses
         other strides than the gradient's, and an empty tensor last in a list) with its group's values as
-        constants (none moved since update 1: `moved_constants`). A bf16/fp16 parameter where the user's own
-        step is that kernel (`fused=True`) or the backend rounds the update graph as it does
-        (`half_on_kernel`): the kernel rounds once per update where eager's other steps round per op, a unit
-        in the last place apart at every update (SGD on bf16 N(0, 1) weights, CPU: up to 0.019 apart after one
-        update), which training carries on; the update graph run op by op rounds as eager does."""
+        constants (none moved since update 1: `moved_constants`), in a group that does not say `fused=False`
+        (the user's word that their step is not that kernel: the update graph, compiled by the backend, as the
+        step after the backward is compiled for such a group; on one H100 Inductor's AdamW kernels took 1.3 ms
+        a step less GPU time than torch's fused one, GPT-2 small, at a compile's cost).
+
+        A bf16/fp16 parameter where the user's own step is that kernel (`fused=True`) or the backend rounds the
+        update graph as it does (`half_on_kernel`): the kernel rounds once per update where eager's other steps
+        round per op, a unit in the last place apart at every update (SGD on bf16 N(0, 1) weights, CPU: up to
+        0.019 apart after one update), which training carries on; the update graph run op by op rounds as eager
+        does."""
         wide = param.dtype in (torch.float32, torch.float64)
         half = param.dtype in (torch.bfloat16, torch.float16)
         rounds_once = self.half_on_kernel or bool(self.optimizer.param_groups[index].get("fused"))
         return (
             index not in self._values_move
+            and self.optimizer.param_groups[index].get("fused") is not False
             and (wide or (half and rounds_once))
             and param.is_contiguous()
             and param.numel() > 0

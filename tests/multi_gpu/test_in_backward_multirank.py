@@ -39,6 +39,7 @@ OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw_not_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True, fused=False),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
     # every option the fused kernels take (a third state list with amsgrad; maximize; SGD's dampening)
     "adamw_amsgrad_maximize": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True),
@@ -193,6 +194,7 @@ SCENARIOS = {
     "adam_onecycle": lambda rank: _scenario(rank, opt="adam", sched="onecycle"),
     "adamw_eps_after_3": lambda rank: _scenario(rank, opt="adamw", sched="eps_after_3"),
     "adamw_foreach": lambda rank: _scenario(rank, opt="adamw_foreach"),
+    "adamw_not_fused": lambda rank: _scenario(rank, opt="adamw_not_fused"),
     "adamw_amsgrad_maximize": lambda rank: _scenario(rank, opt="adamw_amsgrad_maximize"),
     "sgd_dampening_maximize": lambda rank: _scenario(rank, opt="sgd_dampening_maximize"),
     "adamw_accum2": lambda rank: _scenario(rank, opt="adamw", accum=2),
@@ -264,6 +266,12 @@ def _assert_like_eager(
 )
 def test_update_inside_the_backward_matches_eager(results, name):
     _assert_like_eager(ok(results, name))
+
+
+def test_a_group_that_says_fused_false_updates_inside_the_backward_with_the_update_graph(results):
+    """`fused=False`: the user's step is not torch's fused kernel, so neither is the update in the backward (the
+    captured update graph, the backend's kernels); trained like eager DDP with the same optimizer."""
+    _assert_like_eager(ok(results, "adamw_not_fused"), fused=[])
 
 
 def test_adamw_with_a_schedule_and_a_checkpoint_that_loads_into_an_eager_optimizer(results):

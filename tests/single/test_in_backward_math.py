@@ -130,6 +130,27 @@ def test_a_bf16_parameter_takes_the_fused_kernel_where_the_users_step_is_that_ke
     assert updates.fused_groups() == [0] and updates.update_graph_groups() == []
 
 
+@pytest.mark.parametrize("fused", [None, False])
+def test_a_group_that_says_fused_false_takes_the_update_graph_not_the_fused_kernel(fused):
+    """`fused=False` is the user's word that their step is not torch's fused kernel: inside the backward the
+    group's update is the captured update graph (the backend's kernels), as the step after the backward is
+    compiled for it; left to choose (None), an fp32 group takes the fused kernel."""
+    torch.manual_seed(0)
+    wide = nn.Parameter(torch.randn(4, 6))
+    optimizer = torch.optim.AdamW([wide], lr=1e-2, foreach=True, fused=fused)
+    wide.grad = torch.randn_like(wide)
+    optimizer.step()
+    updates = OptimizerInBackward(optimizer)
+    updates.prepare()
+    if fused is False:
+        assert isinstance(updates.update_for(wide), UpdateTemplate)
+        assert updates.fused_groups() == [] and updates.update_graph_groups() == [
+            {"group": 0, "dtype": "float32", "device": "cpu", "params": 1}
+        ]
+    else:
+        assert isinstance(updates.update_for(wide), FusedKernel) and updates.fused_groups() == [0]
+
+
 def test_a_bf16_parameter_takes_the_fused_kernel_where_the_backend_rounds_its_update_once():
     """Inductor compiles a bf16 update graph into one kernel that rounds once, as torch's fused kernel does
     (`half_on_kernel`); run op by op (aot_eager) the graph rounds as eager's step, and the report names it."""
