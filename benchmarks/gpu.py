@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="steps after the timed ones under cProfile: where a steady step's host time goes, per mode (0: none)",
     )
+    p.add_argument(
+        "--back-to-back-steps",
+        type=int,
+        default=10,
+        help="steps after the timed ones with no sync between them, timed together: a loop's ms per step (0: none)",
+    )
     p.add_argument("--backend", default="inductor")
     p.add_argument(
         "--compile-mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -304,7 +310,11 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
         f"{first.describe_optimizer()}, {parallel} cold compile(s) side by side, {threads_text}"
     )
     # precision-major: with --parallel below the job count, a whole precision compiles before the next
-    entries = [Entry(p, m, cfgs[p], args.foreach, args.host_profile_steps) for p in precisions for m in modes]
+    entries = [
+        Entry(p, m, cfgs[p], args.foreach, args.host_profile_steps, args.back_to_back_steps)
+        for p in precisions
+        for m in modes
+    ]
     warm_names = {m.strip() for m in args.warm_modes.split(",") if m.strip()}
     warm = [e for e in entries if e.tag == precisions[0] and e.mode in warm_names]  # start-up: first precision
     work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))

@@ -84,6 +84,8 @@ class Entry:
     foreach: bool = False
     host_profile_steps: int = 0
     """Steps after the timed ones whose host Python runs under cProfile (before the kernel profile)."""
+    back_to_back_steps: int = 0
+    """Steps right after the timed ones run with no sync between them, timed together (ms per step)."""
 
     @property
     def label(self) -> str:
@@ -103,6 +105,7 @@ class Entry:
             # and refill the allocator's cache that the wait gave back
             worker.update(profile_steps=cfg.profile_steps, kernel_profile=True, gate_dir=str(gate), gate_after=2)
             worker["host_profile_steps"] = self.host_profile_steps
+            worker["back_to_back_steps"] = self.back_to_back_steps
             # and one step more under the memory profiler: its peak by kind (benchmarks/memory_peak.py)
             worker["memory_profile_steps"] = 1
         else:  # warm, or warm_profiled: the same under cProfile (where a warm start-up spends its time)

@@ -60,6 +60,7 @@ def mode_row(
         step_ms=rank0.get("median_step_ms"),
         step_ms_all=rank0.get("step_ms"),
         host_ms=rank0.get("median_host_ms"),
+        back_to_back_ms=rank0.get("back_to_back_ms"),
         first_step_s=rank0.get("first_step_s"),
         two_steps_s_cold=rank0.get("two_steps_s"),
         cuda_peak_mb=rank0.get("steady_peak_cuda_mb"),
@@ -99,6 +100,7 @@ def aggregate(config: dict[str, Any], jobs: list[dict[str, Any]]) -> dict[str, d
     ref, eager = rows.get(REFERENCE, {}), rows.get(EAGER, {})
     for row in rows.values():
         row["step_vs_ref"] = _ratio(row.get("step_ms"), ref.get("step_ms"))
+        row["back_to_back_vs_ref"] = _ratio(row.get("back_to_back_ms"), ref.get("back_to_back_ms"))
         row["two_steps_cold_vs_ref"] = _ratio(row.get("two_steps_s_cold"), ref.get("two_steps_s_cold"))
         row["two_steps_warm_vs_ref"] = _ratio(row.get("two_steps_s_warm"), ref.get("two_steps_s_warm"))
         mine, theirs = row.get("param_checksum"), eager.get("param_checksum")
@@ -143,6 +145,7 @@ def table(result: dict[str, Any]) -> list[str]:
         "mode",
         "status",
         f"median step ms (x {REFERENCE})",
+        f"back-to-back ms/step (x {REFERENCE})",
         "host ms/step",
         f"to end of step 2, cold s (x {REFERENCE})",
         "warm s (x)",
@@ -165,6 +168,7 @@ def table(result: dict[str, Any]) -> list[str]:
             f"`{mode}`",
             row["status"],
             _f(row.get("step_ms")) + _x(row.get("step_vs_ref")),
+            _f(row.get("back_to_back_ms")) + _x(row.get("back_to_back_vs_ref")),
             _f(row.get("host_ms")),
             _f(row.get("two_steps_s_cold")) + _x(row.get("two_steps_cold_vs_ref")),
             _f(row.get("two_steps_s_warm")) + _x(row.get("two_steps_warm_vs_ref")),
@@ -243,8 +247,11 @@ def describe(result: dict[str, Any]) -> list[str]:
         "to the end of step 2 is measured **under that contention** (an upper bound of a lone cold start; "
         "modes that finish first free the cores for the others).",
         f"- Timed steps (phase B): one job at a time, the others idle at their gate: median of {cfg['steps']} "
-        f"steps after {cfg['warmup']} warm-up steps; host ms = until the step's Python returned, before the "
-        "device sync; CUDA steady peak = `max_memory_allocated` over the timed steps.",
+        f"steps after {cfg['warmup']} warm-up steps, each after the previous one's device sync; back-to-back = "
+        "the steps right after them run with no sync between (a training loop's pace: a step's host work "
+        "before its first kernel overlaps the previous step's kernels), their time over their count; host ms = "
+        "until the step's Python returned, before the device sync; CUDA steady peak = `max_memory_allocated` "
+        "over the timed steps.",
         f"- Kernels (torch.profiler, {cfg['profile_steps']} steps after the timed ones, per-step medians; "
         "benchmarks/kernels.py): "
         + (

@@ -109,6 +109,10 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     # after the timed steps, before the kernel profile: a steady step's host Python under cProfile
     host_steps = int(spec.get("host_profile_steps") or 0)
     host_profile = cProfile.Profile() if host_steps else None
+    # right after the timed steps: this many more with no sync between them (a training loop's pace, where the
+    # host runs ahead and a step's lead hides behind the previous step's kernels), timed together
+    back_to_back = int(spec.get("back_to_back_steps") or 0)
+    back_to_back_ms = None
     # the first two steps under cProfile (a warm start-up's Python: where a cache hit still spends its time)
     startup = cProfile.Profile() if spec.get("startup_profile") else None
     batches = [
@@ -117,6 +121,15 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
             for t in synthetic_batch(cfg, spec["batch"], spec["seq_len"], step=i, rank=rank, seed=spec["seed"])
         )
         for i in range(warmup + steps + host_steps + profiled + memory_steps)
+    ]
+    back_to_back_batches = [
+        tuple(
+            t.to(device)
+            for t in synthetic_batch(
+                cfg, spec["batch"], spec["seq_len"], step=len(batches) + i, rank=rank, seed=spec["seed"]
+            )
+        )
+        for i in range(back_to_back)
     ]
     clock = StepClock()
     peaks = memory.PeakTracker()
@@ -143,6 +156,13 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
                 cuda_peak = _cuda_peak_mb(device)
                 # what the job holds between steps, before the profiler starts (it allocates for a moment)
                 state_mb = memory.training_state_mb(model, optimizer, ddp)
+                if back_to_back_batches:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    for bx, by in back_to_back_batches:
+                        step.run(bx, by)
+                    _sync(device)
+                    back_to_back_ms = 1e3 * (time.perf_counter() - t0) / len(back_to_back_batches)
             if i == warmup + steps + host_steps:
                 # extra steps after the timed ones: never timed. The GPU benchmark's kernel profile may fail
                 # (CUPTI missing, a torch that traces differently) without losing the job's timings
@@ -204,6 +224,7 @@ def run(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "step_ms": [1e3 * s for s in timed],
         "median_step_ms": 1e3 * statistics.median(timed),
         "median_host_ms": 1e3 * statistics.median(host_s[warmup : warmup + steps]),
+        "back_to_back_ms": back_to_back_ms,
         "gate_wait_s": gate_wait_s,
         "versions": _versions(device),
         "profiled_step_ms": [1e3 * s for s in step_s[warmup + steps + host_steps :]],

@@ -217,7 +217,7 @@ def test_a_failed_stopped_or_unstarted_mode_keeps_its_row_and_its_error():
     assert "| `ours_step` | failed |" in body[2] and "90.0 (1.18x)" in body[2]
     assert any(line.startswith("- `ours_step` failed: ours_step rank 0: RuntimeError") for line in lines)
     assert any(line.startswith("- `ours_step_in_backward` not run") for line in lines)
-    assert "| `eager` | ok | 44.8 (1.08x) | 22.4 | 0.4 (0.01x) |" in body[0]
+    assert "| `eager` | ok | 44.8 (1.08x) | - | 22.4 | 0.4 (0.01x) |" in body[0]
     json.dumps(result)
 
 
@@ -335,6 +335,7 @@ def test_a_tiny_cpu_run_writes_the_json_and_the_block(tmp_path):
     assert row["status"] == "ok", row.get("error")
     assert row["kernels"]["device"] == "cpu" and row["kernels"]["kernels"] > 10
     assert row["cuda_peak_mb"] is None and row["step_ms"] > 0
+    assert row["back_to_back_ms"] > 0  # 10 steps with no sync between them (the default), timed together
     # one more step under the memory profiler: its peak by kind, the held state from the job's own count
     peak = row["memory_at_peak"]
     assert peak["measured"] and peak["device"] == "cpu", peak
