@@ -23,10 +23,11 @@
 #   issue34           issue 34 in one device call (BUDGET_S=560, the call's timeout about 590 s): beside the
 #                     benchmark's cold compiles, the CUDA-graphs probe of the accumulating modes (PROBE34_MODES)
 #                     and the update kernels (benchmarks/update_kernels.py, $OUT/update_kernels.json); the GPU
-#                     benchmark (benchmarks/gpu_bench.sh: fp32 and bf16, torch_savvy, torch_fused and our
-#                     train-step modes, warm start-up of torch_savvy and the in-backward step, memory at the
-#                     peak) under $OUT/gpu34; then, with the last BENCH34_CG_S seconds (200), the fp32 train-step
-#                     modes under CUDA graphs (--compile-mode reduce-overhead) under $OUT/gpu34_cg. PROBE_ARGS,
+#                     benchmark (benchmarks/gpu_bench.sh: fp32 and bf16, torch_savvy, our train-step modes, then
+#                     torch_fused, torch_ddpopt and ours_compile, timed after each precision's train-step modes
+#                     (a budget cut takes bf16's tail first); warm start-up of torch_savvy and the in-backward step; memory at the peak) under
+#                     $OUT/gpu34; then, with the last BENCH34_CG_S seconds (180), the fp32 train-step modes under
+#                     CUDA graphs (--compile-mode reduce-overhead) under $OUT/gpu34_cg. PROBE_ARGS,
 #                     UPDATE_KERNELS_ARGS, BENCH34_ARGS and BENCH34_CG_ARGS replace the arguments (a CPU dry run)
 #   bench_default     the benchmark's single-process part: world size 1 (nccl), comm workload, every compiled
 #                     mode, Inductor default mode
@@ -126,12 +127,12 @@ grep -h -E '^(==|   )' $LOGS/diag_*.txt"
                 --out "$OUT/update_kernels.json" ${UPDATE_KERNELS_ARGS:-}
         } &
         left=$((DEADLINE - $(date +%s) - 30))
-        cg=${BENCH34_CG_S:-200} # the fp32 run under CUDA graphs (item 4) gets this much at the end; 0: none
+        cg=${BENCH34_CG_S:-180} # the fp32 run under CUDA graphs (item 4) gets this much at the end; 0: none
         ((cg > 0 && left - cg < 240)) && cg=0
         # shellcheck disable=SC2086 # BENCH34_ARGS is a list of arguments
         part bench34 "$((left - cg))" env OUT="$OUT/gpu34" BUDGET_S=$((left - cg - 30)) PYTHON="$PY" \
             bash benchmarks/gpu_bench.sh "${BENCH34_PRECISION:-fp32,bf16}" ${BENCH34_ARGS:---modes \
-            torch_savvy,torch_fused,ours_step,ours_step_in_graph,ours_step_in_backward \
+            torch_savvy,ours_step,ours_step_in_graph,ours_step_in_backward,torch_fused,torch_ddpopt,ours_compile \
             --warm-modes torch_savvy,ours_step_in_backward}
         if ((cg > 0)); then
             left=$((DEADLINE - $(date +%s) - 20))
