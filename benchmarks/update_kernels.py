@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from aot.torch_eager import add_to_each, fused_adam_kernel
 from benchmarks.kernels import summarize_kernels
 from benchmarks.profile_overlap import StepProfiler
 
@@ -99,20 +100,22 @@ def variant(
         if name == "compiled_step":
             return torch.compile(opt.step, backend=backend), read
         return opt.step, read
-    kernel = torch.ops.aten._fused_adamw_.default
+    # the overload the in-backward update calls (lr read from a tensor), through its home
+    kernel, lr = fused_adam_kernel(decoupled=True), torch.tensor(LR, device=params[0].device)
+    hyper = dict(beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD, eps=EPS, amsgrad=False, maximize=False)
     if name == "fused_per_bucket":
-        zeros = [torch.zeros_like(p) for p in params]
-        moments = [torch.zeros_like(p) for p in params]
+        exp_avgs = [torch.zeros_like(p) for p in params]
+        exp_avg_sqs = [torch.zeros_like(p) for p in params]
         steps = [torch.zeros((), dtype=torch.float32, device=p.device) for p in params]
         buckets = _buckets(params, int(bucket_cap_mb * 2**20))
 
         def per_bucket() -> None:
             for b in buckets:
-                torch._foreach_add_([steps[i] for i in b], 1)
+                bucket_steps = [steps[i] for i in b]
+                add_to_each(bucket_steps, 1)
                 kernel(
-                    [params[i].data for i in b], [params[i].grad for i in b], [zeros[i] for i in b],
-                    [moments[i] for i in b], [], [steps[i] for i in b],
-                    lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD, eps=EPS, amsgrad=False, maximize=False,
+                    [params[i].data for i in b], [params[i].grad for i in b], [exp_avgs[i] for i in b],
+                    [exp_avg_sqs[i] for i in b], [], bucket_steps, lr=lr, **hyper,
                 )  # fmt: skip
 
         return per_bucket, lambda: _flat(params)
@@ -125,10 +128,7 @@ def variant(
 
         def flat() -> None:
             step.add_(1)
-            kernel(
-                [flat_p], [flat_g], [m], [v], [], [step],
-                lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD, eps=EPS, amsgrad=False, maximize=False,
-            )  # fmt: skip
+            kernel([flat_p], [flat_g], [m], [v], [], [step], lr=lr, **hyper)
 
         return flat, lambda: flat_p
     compiled = torch.compile(adamw_flat, dynamic=False, backend=backend)
@@ -203,10 +203,13 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     device = torch.device(args.device)
-    results = []
-    reference = None
+    results: list[dict[str, Any]] = []
+    reference = header = None
     for name in ["foreach"] + [v for v in variants if v != "foreach"]:  # foreach first: the reference
         params = _params(args, device)  # each variant from the same start
+        if header is None:
+            n = sum(p.numel() for p in params)
+            header = f"AdamW update, {n / 1e6:.1f}M parameters, {device.type}, torch {torch.__version__}"
         try:
             result = measure(name, params, args, reference)
             after_one = result.pop("after_one")
@@ -217,11 +220,9 @@ def main(argv: list[str]) -> int:
         print(json.dumps(results[-1]), flush=True)
         if args.out:  # after each variant: a time limit keeps what was measured
             with open(args.out, "w") as f:
-                json.dump({"results": results, "argv": argv}, f, indent=1)
+                json.dump({"header": header, "results": results, "argv": argv}, f, indent=1)
         del params
         torch._dynamo.reset()
-    n = sum(p.numel() for p in _params(args, device))
-    header = f"AdamW update, {n / 1e6:.1f}M parameters, {device.type}, torch {torch.__version__}"
     print(f"\n{header}\n| variant | first call s | host ms | busy ms | kernels | host ops | max abs vs foreach |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
@@ -230,9 +231,6 @@ def main(argv: list[str]) -> int:
             continue
         cells = [r["first_call_s"], r["host_ms"], r["busy_ms"], r["kernels"], r["host_ops"], r["max_abs_vs_foreach"]]
         print(f"| `{r['variant']}` | " + " | ".join("-" if c is None else f"{c:g}" for c in cells) + " |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"header": header, "results": results, "argv": argv}, f, indent=1)
     return 0
 
 

@@ -236,10 +236,11 @@ class OptimizerInBackward:
         does."""
         wide = param.dtype in (torch.float32, torch.float64)
         half = param.dtype in (torch.bfloat16, torch.float16)
-        rounds_once = self.half_on_kernel or bool(self.optimizer.param_groups[index].get("fused"))
+        fused = self.optimizer.param_groups[index].get("fused")
+        rounds_once = self.half_on_kernel or bool(fused)
         return (
             index not in self._values_move
-            and self.optimizer.param_groups[index].get("fused") is not False
+            and fused is not False
             and (wide or (half and rounds_once))
             and param.is_contiguous()
             and param.numel() > 0
