@@ -30,6 +30,8 @@ MODES: tuple[str, ...] = (
     "ours_step_in_graph",
     "ours_step_in_graph_auto",
     "ours_step_in_backward",
+    "ours_step_in_graph_unfused",
+    "ours_step_in_backward_unfused",
 )
 """Every mode, in table order (the bracket first)."""
 
@@ -62,9 +64,23 @@ MODE_HELP: dict[str, str] = {
     "ours_step_in_graph_auto": "compile_core.train_step(ddp='in_graph', bucket_cap_mb='auto'): the cap chosen "
     "from an all-reduce timed on the process group",
     "ours_step_in_backward": "compile_core.train_step(ddp='in_graph', optimizer_in_backward=True)",
+    "ours_step_in_graph_unfused": "ours_step_in_graph with fused=False on the optimizer: the update after the "
+    "backward compiled by the backend (Inductor's kernels, as torch.compile(opt.step) makes them) instead of "
+    "torch's fused kernel",
+    "ours_step_in_backward_unfused": "ours_step_in_backward with fused=False on the optimizer: each bucket's update "
+    "inside the backward is the captured update graph, compiled with the backward, instead of torch's fused kernel",
 }
 
-IN_GRAPH_MODES = frozenset({"ours_in_graph", "ours_step_in_graph", "ours_step_in_graph_auto", "ours_step_in_backward"})
+IN_GRAPH_MODES = frozenset(
+    {
+        "ours_in_graph",
+        "ours_step_in_graph",
+        "ours_step_in_graph_auto",
+        "ours_step_in_backward",
+        "ours_step_in_graph_unfused",
+        "ours_step_in_backward_unfused",
+    }
+)
 """Modes whose compiled backward all-reduces itself: DDP's comm hooks (the overlap recorder) see nothing."""
 
 BRACKET_MODES = ("floor", "comm_only")

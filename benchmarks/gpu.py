@@ -71,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp32, bf16 (torch.autocast(bfloat16) around forward and loss) or fp32,bf16: both in one run, every "
         "job's cold compile side by side, one table each",
     )
-    p.add_argument("--modes", default=",".join(GPU_MODES), help=f"comma list from {','.join(MODES)}")
+    p.add_argument(
+        "--modes",
+        default=",".join(GPU_MODES),
+        help=f"comma list from {','.join(MODES)}; MODE@PRECISION runs that mode at that precision only",
+    )
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=12)
@@ -255,6 +259,24 @@ def _render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _modes_at(text: str, precisions: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """`--modes` per precision: a plain mode runs at every precision, `MODE@PRECISION` at that one only (a
+    variant worth its device time in one precision)."""
+    out: dict[str, list[str]] = {p: [] for p in precisions}
+    for item in (m.strip() for m in text.split(",")):
+        if not item:
+            continue
+        mode, at, only = item.partition("@")
+        if at and only not in precisions:
+            raise ValueError(f"--modes {item!r}: {only!r} is not one of this run's precisions {list(precisions)}")
+        for p in precisions:
+            if (not at or p == only) and mode not in out[p]:
+                out[p].append(mode)
+    if not any(out.values()):
+        raise ValueError(f"--modes {text!r}: no mode")
+    return {p: tuple(m) for p, m in out.items()}
+
+
 def _device(choice: str) -> str:
     import torch
 
@@ -270,15 +292,21 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
     args = build_parser().parse_args(argv)
     if args.render:
         return _render(args)
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     precisions = tuple(dict.fromkeys(p.strip() for p in args.precision.split(",") if p.strip()))
     if not precisions or set(precisions) - {"fp32", "bf16"}:
         print(f"error: --precision {args.precision!r}: use fp32, bf16 or fp32,bf16", file=sys.stderr)
         return 2
+    try:
+        modes_at = _modes_at(args.modes, precisions)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    precisions = tuple(p for p in precisions if modes_at[p])  # a precision left without modes runs nothing
+    modes = tuple(dict.fromkeys(m for p in precisions for m in modes_at[p]))
     if args.warmup < 2:
         print("error: --warmup must be >= 2 (start-up is read to the end of step 2)", file=sys.stderr)
         return 2
-    jobs_total = len(modes) * len(precisions)
+    jobs_total = sum(len(modes_at[p]) for p in precisions)
     parallel = args.parallel if args.parallel > 0 else jobs_total
     if args.compile_threads == "auto":
         threads: int | None = max(1, (os.cpu_count() or 1) // max(1, min(parallel, jobs_total)))
@@ -292,7 +320,7 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
     command = "python -m benchmarks.gpu " + shlex.join(argv)
     try:
         device = _device(args.device)
-        cfgs = {p: _config(args, modes, threads, command, p) for p in precisions}
+        cfgs = {p: _config(args, modes_at[p], threads, command, p) for p in precisions}
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -313,7 +341,7 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
     entries = [
         Entry(p, m, cfgs[p], args.foreach, args.host_profile_steps, args.back_to_back_steps)
         for p in precisions
-        for m in modes
+        for m in modes_at[p]
     ]
     warm_names = {m.strip() for m in args.warm_modes.split(",") if m.strip()}
     warm = [e for e in entries if e.tag == precisions[0] and e.mode in warm_names]  # start-up: first precision

@@ -23,9 +23,10 @@
 #   issue34           issue 34 in one device call (BUDGET_S=560, the call's timeout about 590 s): beside the
 #                     benchmark's cold compiles, the CUDA-graphs probe of the accumulating modes (PROBE34_MODES)
 #                     and the update kernels (benchmarks/update_kernels.py, $OUT/update_kernels.json); the GPU
-#                     benchmark (benchmarks/gpu_bench.sh: fp32 and bf16, torch_savvy, our train-step modes, then
-#                     torch_fused, torch_ddpopt and ours_compile, timed after each precision's train-step modes
-#                     (a budget cut takes bf16's tail first); warm start-up of torch_savvy and the in-backward step; memory at the peak) under
+#                     benchmark (benchmarks/gpu_bench.sh: fp32 and bf16, torch_savvy and our train-step modes;
+#                     in fp32 only, after them, the in-graph and in-backward steps with fused=False (Inductor's
+#                     update instead of torch's fused kernel), torch_fused, torch_ddpopt and ours_compile; warm
+#                     start-up of torch_savvy and the in-backward step; memory at the peak) under
 #                     $OUT/gpu34; then, with the last BENCH34_CG_S seconds (180), the fp32 train-step modes under
 #                     CUDA graphs (--compile-mode reduce-overhead) under $OUT/gpu34_cg. PROBE_ARGS,
 #                     UPDATE_KERNELS_ARGS, BENCH34_ARGS and BENCH34_CG_ARGS replace the arguments (a CPU dry run)
@@ -118,21 +119,25 @@ grep -h -E '^(==|   )' $LOGS/diag_*.txt"
         # Beside the benchmark's cold compiles (its phase A: 130 s for 10 jobs in session 61), one after the
         # other so that their kernels never share the GPU: the CUDA-graphs probe (its step times are not read),
         # then the update kernels (their GPU ms are not touched by the compiles beside them; their host ms and
-        # compile seconds are). Both end before the first timed step.
+        # compile seconds are). The benchmark's first timed step waits for both while $OUT/hold34 exists (at
+        # most 90 s: GPU_BENCH_HOLD, benchmarks/gpu_phases.py).
+        touch "$OUT/hold34"
         # shellcheck disable=SC2086 # PROBE_ARGS is a list of arguments
         {
             part probe_in_backward "${PROBE_LIMIT_S:-70}" "$PY" -m tests.multi_gpu.cudagraph_probe --parallel 2 \
                 --timeout "${PROBE_CHILD_S:-65}" ${PROBE_ARGS:-${PROBE34_MODES:-in_backward_accum in_graph_accum}}
-            part update_kernels "${UPDATE_KERNELS_LIMIT_S:-70}" "$PY" -m benchmarks.update_kernels \
+            part update_kernels "${UPDATE_KERNELS_LIMIT_S:-90}" "$PY" -m benchmarks.update_kernels \
                 --out "$OUT/update_kernels.json" ${UPDATE_KERNELS_ARGS:-}
+            rm -f "$OUT/hold34"
         } &
         left=$((DEADLINE - $(date +%s) - 30))
         cg=${BENCH34_CG_S:-180} # the fp32 run under CUDA graphs (item 4) gets this much at the end; 0: none
         ((cg > 0 && left - cg < 240)) && cg=0
         # shellcheck disable=SC2086 # BENCH34_ARGS is a list of arguments
-        part bench34 "$((left - cg))" env OUT="$OUT/gpu34" BUDGET_S=$((left - cg - 30)) PYTHON="$PY" \
+        part bench34 "$((left - cg))" env OUT="$OUT/gpu34" BUDGET_S=$((left - cg - 30)) PYTHON="$PY" GPU_BENCH_HOLD="$OUT/hold34" \
             bash benchmarks/gpu_bench.sh "${BENCH34_PRECISION:-fp32,bf16}" ${BENCH34_ARGS:---modes \
-            torch_savvy,ours_step,ours_step_in_graph,ours_step_in_backward,torch_fused,torch_ddpopt,ours_compile \
+            torch_savvy,ours_step,ours_step_in_graph,ours_step_in_backward,ours_step_in_graph_unfused@fp32,\
+ours_step_in_backward_unfused@fp32,torch_fused@fp32,torch_ddpopt@fp32,ours_compile@fp32 \
             --warm-modes torch_savvy,ours_step_in_backward}
         if ((cg > 0)); then
             left=$((DEADLINE - $(date +%s) - 20))

@@ -9,6 +9,7 @@ what `run_phases` returns.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +21,12 @@ from benchmarks.runner import WORKER, JobSpec, finish_job, start_job
 
 MARGIN_S = 15.0
 """Kept back at the end of the budget for collecting results and writing the outputs."""
+
+HOLD_ENV = "GPU_BENCH_HOLD"
+"""A file path: while that file exists, phase B waits before its first timed step (at most `HOLD_MAX_S`). What
+runs beside phase A's compiles on the same GPU (benchmarks/gpu_check.sh's probe and update kernels) removes it
+when it ends, so that no timed step shares the device or the host with it."""
+HOLD_MAX_S = 90.0
 
 
 @dataclasses.dataclass
@@ -217,7 +224,26 @@ def _phase_a(running: dict[str, Running], budget: Budget, allowed: float) -> lis
     return out
 
 
+def _wait_for_hold(budget: Budget) -> None:
+    """Before the first timed step: wait while the `HOLD_ENV` file exists (work beside phase A still running)."""
+    hold = os.environ.get(HOLD_ENV)
+    if not hold:
+        return
+    if not os.path.exists(hold):
+        budget.log(f"phase B: the work beside phase A had ended ({hold} gone)")
+        return
+    t0 = time.monotonic()
+    while os.path.exists(hold) and time.monotonic() - t0 < HOLD_MAX_S and budget.left() > 60:
+        time.sleep(0.5)
+    waited = time.monotonic() - t0
+    if os.path.exists(hold):
+        budget.log(f"phase B: {hold} still there after {waited:.0f} s: timing beside the work that holds it")
+    else:
+        budget.log(f"phase B: waited {waited:.0f} s for the work beside phase A to end ({hold})")
+
+
 def _phase_b(running: dict[str, Running], budget: Budget, reserve_s: float) -> list[dict[str, Any]]:
+    _wait_for_hold(budget)
     ready = {label: j for label, j in running.items() if j.ready is not None}
     entry = budget.phase("B", budget.left(), f"timed steps of {len(ready)} job(s), one at a time")
     out = []

@@ -56,4 +56,6 @@ BUILDERS: dict[str, Callable[[ModeContext], Step]] = {
     "ours_step_in_graph": modes_ours.build_ours_step_in_graph,
     "ours_step_in_graph_auto": modes_ours.build_ours_step_in_graph_auto,
     "ours_step_in_backward": modes_ours.build_ours_step_in_backward,
+    "ours_step_in_graph_unfused": modes_ours.build_ours_step_in_graph_unfused,
+    "ours_step_in_backward_unfused": modes_ours.build_ours_step_in_backward_unfused,
 }

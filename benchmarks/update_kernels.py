@@ -19,7 +19,11 @@ Variants (each on the same parameters, gradients and state; AdamW, lr 1e-3, weig
   are its compile;
 * `fused_flat`: torch's fused kernel over one flat buffer each of parameters, gradients and moments (what a
   flat layout of the state would give);
-* `compiled_flat`: the AdamW math over those flat buffers, compiled by Inductor (one elementwise kernel).
+* `compiled_flat`: the AdamW math over those flat buffers, compiled by Inductor (one elementwise kernel);
+* `compiled_per_param`: the same math per parameter in one compiled call (Inductor: a kernel per parameter), what
+  the update graph of `optimizer_in_backward=True` with `fused=False` compiles to (there spread over the buckets);
+* `compiled_per_param_combo`: that with Inductor's horizontal fusion of independent kernels (`combo_kernels`),
+  a few launches for all parameters.
 
 Per variant: how far one update from the common start ends from `foreach`'s (max abs), the first call's
 seconds (a compile where there is one), then, profiled (torch.profiler, the kernels of benchmarks/kernels.py),
@@ -44,7 +48,16 @@ from benchmarks.kernels import summarize_kernels
 from benchmarks.profile_overlap import StepProfiler
 
 LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
-VARIANTS = ("foreach", "fused", "fused_per_bucket", "fused_flat", "compiled_flat", "compiled_step")
+VARIANTS = (
+    "foreach",
+    "fused",
+    "fused_per_bucket",
+    "fused_flat",
+    "compiled_flat",
+    "compiled_per_param",
+    "compiled_per_param_combo",
+    "compiled_step",
+)
 """In the order they run: the longest compile last, so that a time limit cuts the fewest."""
 
 
@@ -75,6 +88,17 @@ def _buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[int]
 def adamw_flat(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> None:
     """AdamW on flat buffers, in place (what Inductor compiles into one elementwise kernel)."""
     step.add_(1)
+    _adamw(p, g, m, v, step)
+
+
+def adamw_per_param(ps: list, gs: list, ms: list, vs: list, step: torch.Tensor) -> None:
+    """AdamW on each parameter, in place, one step count for all (compiled: a kernel per parameter)."""
+    step.add_(1)
+    for p, g, m, v in zip(ps, gs, ms, vs):
+        _adamw(p, g, m, v, step)
+
+
+def _adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> None:
     p.mul_(1 - LR * WD)
     m.lerp_(g, 1 - BETAS[0])
     v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
@@ -119,8 +143,15 @@ def variant(
                 )  # fmt: skip
 
         return per_bucket, lambda: _flat(params)
-    numel = sum(p.numel() for p in params)
     device = params[0].device
+    if name in ("compiled_per_param", "compiled_per_param_combo"):
+        tensors = [p.detach() for p in params], [p.grad for p in params]
+        moments = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+        step = torch.zeros((), dtype=torch.float32, device=device)
+        options = {"combo_kernels": True} if name.endswith("_combo") and backend == "inductor" else None
+        per_param = torch.compile(adamw_per_param, dynamic=False, backend=backend, options=options)
+        return lambda: per_param(*tensors, *moments, step), lambda: _flat(params)
+    numel = sum(p.numel() for p in params)
     flat_p, flat_g = _flat(params), _flat([p.grad for p in params])
     m, v = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
     step = torch.zeros((), dtype=torch.float32, device=device)

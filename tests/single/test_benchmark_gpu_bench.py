@@ -397,3 +397,42 @@ def test_scalar_reads_are_placed_in_the_host_ranges_open_around_them():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_mode_at_one_precision_runs_there_only_and_a_stray_precision_is_refused():
+    from benchmarks.gpu import _modes_at
+
+    both = ("fp32", "bf16")
+    assert _modes_at("torch_savvy,ours_step_in_backward_unfused@fp32,ours_step", both) == {
+        "fp32": ("torch_savvy", "ours_step_in_backward_unfused", "ours_step"),
+        "bf16": ("torch_savvy", "ours_step"),
+    }
+    assert _modes_at("eager@bf16", both) == {"fp32": (), "bf16": ("eager",)}
+    with pytest.raises(ValueError, match="'fp16' is not one of this run's precisions"):
+        _modes_at("eager@fp16", both)
+    with pytest.raises(ValueError, match="'bf16' is not one of"):
+        _modes_at("eager,ours_step@bf16", ("fp32",))
+
+
+def test_timed_steps_wait_while_the_work_beside_the_compiles_holds_the_device(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from benchmarks import gpu_phases
+
+    lines = []
+    budget = gpu_phases.Budget(300, log=lines.append)
+    hold = tmp_path / "hold"
+    monkeypatch.setenv(gpu_phases.HOLD_ENV, str(hold))
+    t0 = time.monotonic()
+    gpu_phases._wait_for_hold(budget)  # no file: no wait
+    assert time.monotonic() - t0 < 0.5 and lines[-1].startswith("phase B: the work beside phase A had ended")
+    hold.touch()
+    threading.Timer(1.0, hold.unlink).start()
+    gpu_phases._wait_for_hold(budget)
+    assert time.monotonic() - t0 >= 1.0
+    assert lines and lines[-1].startswith("phase B: waited"), lines
+    hold.touch()
+    monkeypatch.setattr(gpu_phases, "HOLD_MAX_S", 0.6)  # work that outlives the wait: timed anyway, said so
+    gpu_phases._wait_for_hold(budget)
+    assert "still there" in lines[-1], lines
