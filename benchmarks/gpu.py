@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
         _pack_logs(work, out_dir / f"logs_{name}.tgz")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    from benchmarks.gpu_report import section
+    from benchmarks.gpu_report import console_details, section
 
     paths = []
     for p, result in zip(precisions, results):
@@ -382,60 +382,13 @@ def main(argv: list[str] | None = None, *, worker: tuple[str, ...] = WORKER) -> 
     block = section(results)
     md = out_dir / f"gpu_{name}.md"
     md.write_text(block)
-    print("\nwhere the kernel time goes (last profiled step: the 3 kernels with the most time, calls, ms):")
-    for p, result in zip(precisions, results):
-        for mode, row in result["modes"].items():
-            top = (row.get("kernels") or {}).get("top") or []
-            cells = "; ".join(f"{t['name'][:70]} x{t['calls']} {t['ms']:.2f}" for t in top[:3])
-            print(f"  {p}/{mode}: {cells or '-'}")
-    print("\nwhere the device waits (last profiled step: the 3 longest stretches without a kernel, ms at ms):")
-    for p, result in zip(precisions, results):
-        for mode, row in result["modes"].items():
-            gaps = (row.get("kernels") or {}).get("idle_top") or []
-            cells = "; ".join(
-                f"{g['ms']:.2f} at {g['at_ms']:.1f} before {g['after'][:40]} (host: {' > '.join(g['host'][-2:])})"
-                for g in gaps[:3]
-            )
-            print(f"  {p}/{mode}: {cells or '-'}")
-    print("\nwhere the scalar reads are made (last profiled step: outermost > innermost host range, reads):")
-    for p, result in zip(precisions, results):
-        for mode, row in result["modes"].items():
-            reads = (row.get("kernels") or {}).get("scalar_read_where") or []
-            print(f"  {p}/{mode}: {'; '.join(f'{where} x{count}' for where, count in reads) or '-'}")
-    for p, result in zip(precisions, results):
-        for mode, row in result["modes"].items():
-            found = row.get("host_profile")
-            if found:
-                print(f"\nsteady steps of {p}/{mode} under cProfile ({found.get('steps')} steps after the timed ones):")
-                print("\n".join(_profile_lines(found, n=10, per_step=found.get("steps") or 1)))
-    for p, result in zip(precisions, results):
-        for mode, row in result["modes"].items():
-            found = row.get("startup_profile_warm")
-            if found:
-                two = found.get("two_steps_s")
-                two_text = f"{two:.2f} s" if isinstance(two, (int, float)) else "-"
-                print(f"\nwarm start-up of {p}/{mode} under cProfile (to the end of step 2: {two_text}):")
-                print(found.get("error") or "\n".join(_profile_lines(found)))
+    print("\n".join(console_details(zip(precisions, results))))
     print()
     print(block)
     print(f"JSON: {' '.join(map(str, paths))}")
     print(f"markdown: {md} (into BENCHMARKS.md: python -m benchmarks.gpu --render JSON... --markdown BENCHMARKS.md)")
     print(f"total {budget.at():.0f} s of {args.budget_s:.0f}")
     return 0
-
-
-def _profile_lines(found: dict[str, Any], n: int = 12, per_step: int | None = None) -> list[str]:
-    """A cProfile's top functions by own time, then by cumulative time, one per line: seconds in all, or with
-    `per_step` (the steps profiled) ms and calls per step."""
-    out = []
-    scale, unit = (1e3 / per_step, "ms/step") if per_step else (1.0, "s")
-    for key in ("own", "cumulative"):
-        out.append(f"  by {key} time (own {unit}, cumulative {unit}, calls{'/step' if per_step else ''}):")
-        for r in found.get(key, [])[:n]:
-            calls = r["calls"] / per_step if per_step else r["calls"]
-            own, cumulative = r["own_s"] * scale, r["cumulative_s"] * scale
-            out.append(f"    {own:8.2f} {cumulative:8.2f} {calls:>8g}  {r['where']}")
-    return out
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ its own block, and everything written by hand around both is kept.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterable
 
 from benchmarks.checksum import checksum_distance
 from benchmarks.config import MODE_HELP
@@ -320,3 +320,61 @@ def merge_gpu_section(previous: str | None, block: str, *, where: str = "BENCHMA
         return previous.rstrip("\n") + "\n\n## GPU (generated)\n\n" + block
     at = heading.end() + 1
     return previous[:at] + "\n" + block + previous[at:]
+
+
+def console_details(runs: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
+    """What the GPU benchmark prints besides its tables, per (precision, result): each mode's top kernels,
+    longest idle stretches, scalar reads, and its cProfiled steady steps and warm start-up."""
+    runs = list(runs)
+    out: list[str] = []
+    out.append("\nwhere the kernel time goes (last profiled step: the 3 kernels with the most time, calls, ms):")
+    for p, result in runs:
+        for mode, row in result["modes"].items():
+            top = (row.get("kernels") or {}).get("top") or []
+            cells = "; ".join(f"{t['name'][:70]} x{t['calls']} {t['ms']:.2f}" for t in top[:3])
+            out.append(f"  {p}/{mode}: {cells or '-'}")
+    out.append("\nwhere the device waits (last profiled step: the 3 longest stretches without a kernel, ms at ms):")
+    for p, result in runs:
+        for mode, row in result["modes"].items():
+            gaps = (row.get("kernels") or {}).get("idle_top") or []
+            cells = "; ".join(
+                f"{g['ms']:.2f} at {g['at_ms']:.1f} before {g['after'][:40]} (host: {' > '.join(g['host'][-2:])})"
+                for g in gaps[:3]
+            )
+            out.append(f"  {p}/{mode}: {cells or '-'}")
+    out.append("\nwhere the scalar reads are made (last profiled step: outermost > innermost host range, reads):")
+    for p, result in runs:
+        for mode, row in result["modes"].items():
+            reads = (row.get("kernels") or {}).get("scalar_read_where") or []
+            out.append(f"  {p}/{mode}: {'; '.join(f'{where} x{count}' for where, count in reads) or '-'}")
+    for p, result in runs:
+        for mode, row in result["modes"].items():
+            found = row.get("host_profile")
+            if found:
+                out.append(
+                    f"\nsteady steps of {p}/{mode} under cProfile ({found.get('steps')} steps after the timed ones):"
+                )
+                out.extend(_profile_lines(found, n=10, per_step=found.get("steps") or 1))
+    for p, result in runs:
+        for mode, row in result["modes"].items():
+            found = row.get("startup_profile_warm")
+            if found:
+                two = found.get("two_steps_s")
+                two_text = f"{two:.2f} s" if isinstance(two, (int, float)) else "-"
+                out.append(f"\nwarm start-up of {p}/{mode} under cProfile (to the end of step 2: {two_text}):")
+                out.extend([found["error"]] if found.get("error") else _profile_lines(found))
+    return out
+
+
+def _profile_lines(found: dict[str, Any], n: int = 12, per_step: int | None = None) -> list[str]:
+    """A cProfile's top functions by own time, then by cumulative time, one per line: seconds in all, or with
+    `per_step` (the steps profiled) ms and calls per step."""
+    out = []
+    scale, unit = (1e3 / per_step, "ms/step") if per_step else (1.0, "s")
+    for key in ("own", "cumulative"):
+        out.append(f"  by {key} time (own {unit}, cumulative {unit}, calls{'/step' if per_step else ''}):")
+        for r in found.get(key, [])[:n]:
+            calls = r["calls"] / per_step if per_step else r["calls"]
+            own, cumulative = r["own_s"] * scale, r["cumulative_s"] * scale
+            out.append(f"    {own:8.2f} {cumulative:8.2f} {calls:>8g}  {r['where']}")
+    return out
