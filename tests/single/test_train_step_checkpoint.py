@@ -74,3 +74,46 @@ def test_checkpoint_loads_into_eager_and_resumes_identically():
     for x, y in data[3:]:
         again_step(x, y)
     assert_params_close(again, ref_model)
+
+
+MODES = {
+    "split": {"ddp": "split"},
+    "in_graph": {"ddp": "in_graph"},
+    "in_backward": {"ddp": "in_graph", "optimizer_in_backward": True},
+}
+
+
+@pytest.mark.parametrize("warmed_up", [False, True], ids=["load_first", "load_after_a_step"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_distributed_checkpoint_round_trip_resumes_as_eager(tmp_path, mode, warmed_up):
+    """torch.distributed.checkpoint (torchtitan's way: `get_state_dict` / `set_state_dict` around `dcp.save` and
+    `dcp.load`) of a train step: loaded into a fresh step, before its first update or after one (a job that
+    compiled before it loaded; the load replaces the optimizer state the compiled update holds), the run
+    ends where an uninterrupted eager DDP run ends."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    data = batches(6)
+    model, opt, _ = make_setup("adamw")
+    step = train_step(model, opt, F.mse_loss, backend=BACKEND, **MODES[mode])
+    for x, y in data[:3]:
+        step(x, y)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path / "ckpt"))
+
+    resumed, resumed_opt, _ = make_setup("adamw", seed=123)
+    resumed_step = train_step(resumed, resumed_opt, F.mse_loss, backend=BACKEND, **MODES[mode])
+    if warmed_up:
+        for x, y in batches(2, seed=99):
+            resumed_step(x, y)
+    model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"))
+    set_state_dict(resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    for x, y in data[3:]:
+        resumed_step(x, y)
+
+    ref_model, ref_opt, _ = make_setup("adamw")
+    eager_ddp_run(ref_model, ref_opt, None, data)
+    assert_params_close(resumed, ref_model)
+    assert resumed_opt.state_dict()["state"][0]["step"] == ref_opt.state_dict()["state"][0]["step"] == 6
