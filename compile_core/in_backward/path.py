@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from compile_core.in_backward.controller import InBackwardController
+from compile_core.step.accumulation import accumulates_under_cuda_graphs
 from compile_core.step.config import TrainStepConfig
 from compile_core.step.update import clip_and_step
 from compile_core.step.update_path import EagerMicroBatch, UpdateContext, UpdatePath
 from ddp.in_graph.probe import eager_outside_producers, gradient_uses
-from inductor import InductorSettings
 
 logger = logging.getLogger(__name__)
 
@@ -31,22 +31,21 @@ def in_backward_blocker(config: TrainStepConfig, *, grad_scaler: bool, device_ty
     (`device_type`: where the model's parameters are; CUDA graphs exist on CUDA only)."""
     if grad_scaler:
         return "a GradScaler must see every gradient before any update"
-    kw = config.compile_kwargs
-    settings = InductorSettings(mode=kw.get("mode"), options=kw.get("options"), dynamic=kw.get("dynamic"))
-    if config.backend == "inductor" and settings.cuda_graphs and device_type == "cuda" and config.accum_steps > 1:
-        # Seen on the GPU, not reasoned: H100, torch 2.11, mode="reduce-overhead", world size 1, a small GPT
+    if accumulates_under_cuda_graphs(config, device_type):
+        # Seen on the GPU: H100, torch 2.11, mode="reduce-overhead", world size 1, a small GPT
         # (`python -m tests.multi_gpu.cudagraph_probe`, session 61). Without accumulation the update inside the
         # captured backward trained as eager DDP does (8.7e-4 of eager's update; 1.1e-3 with clip_grad_norm,
         # the CPU's figures without CUDA graphs) and no graph was left out of CUDA graphs; with accum_steps=2
-        # a backward read a forward output that a later replay had overwritten ("accessing tensor output of
-        # CUDAGraphs that has been overwritten by a subsequent run"; which micro-batch's, the log did not keep).
-        # The SIGSEGV of the run before (session 43) did not recur; the optimizer state has entered the graphs
-        # as static inputs since (tests/single/test_cuda_graph_inputs.py).
+        # a read of a CUDA graph's output that a later replay had overwritten stopped it ("accessing tensor
+        # output of CUDAGraphs that has been overwritten by a subsequent run"). torch 2.13 words that error for
+        # accumulated gradients, and the step now copies them out of the graphs' pool
+        # (compile_core/step/accumulation.py, session 62); the refusal stays until the probe, which lifts it,
+        # trains in_backward_accum as eager DDP on a GPU.
         return (
             f"CUDA graphs (mode='reduce-overhead' or 'max-autotune', or triton.cudagraphs) with accum_steps="
-            f"{config.accum_steps}: a backward that updates the parameters read a forward output a later CUDA "
-            "graph replay had overwritten, in our GPU run; use accum_steps=1, or mode='max-autotune-no-cudagraphs' "
-            "or the default mode to update inside the backward while accumulating"
+            f"{config.accum_steps}: a read of a CUDA graph's output that a later replay had overwritten stopped our "
+            "GPU run of it; use accum_steps=1, or mode='max-autotune-no-cudagraphs' or the default mode to update "
+            "inside the backward while accumulating"
         )
     return None
 

@@ -2,6 +2,7 @@
 
 * `train.py` -- `train_step`, `TrainStep`: forward + loss, backward, accumulation, one update object
   (`make_update_path` chooses it);
+* `accumulation.py` -- accumulated `.grad` kept out of the CUDA graphs' memory pool (`GradsOutOfGraphPool`);
 * `update_path.py` -- `UpdatePath`, the one interface of the update, and `UpdateContext`, what it works with;
 * `after_backward.py` -- the paths after the backward: compiled (`CompiledPath`, handing over to
   `EagerPath` when its compile fails), eager, torch's fused step (`FusedStepPath`), GradScaler (`ScalerPath`);

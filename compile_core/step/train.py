@@ -68,6 +68,7 @@ from aot import torch_eager
 from compile_core import progress
 from compile_core.events import CompileEvents
 from compile_core.in_backward import InBackwardPath
+from compile_core.step.accumulation import GradsOutOfGraphPool, accumulates_under_cuda_graphs
 from compile_core.step.after_backward import CompiledPath, FusedStepPath, ScalerPath
 from compile_core.step.checks import NO_TARGET, check_inputs, check_loss, split_args
 from compile_core.step.config import TrainStepConfig
@@ -109,6 +110,8 @@ class TrainStep:
             self._compiled.in_graph.accumulated.move_out = True
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._device_type = _device_type(model)
+        self._out_of_pool = GradsOutOfGraphPool() if accumulates_under_cuda_graphs(config, self._device_type) else None
+        """Under CUDA graphs with accumulation: the accumulated `.grad` copied out of the graphs' memory pool."""
         self._micro_batches = 0
         self._updates = 0
         self.applied = False
@@ -167,6 +170,8 @@ class TrainStep:
             scaled.backward()
         if eager is not None and sync:
             eager.after_sync_backward()
+        if self._out_of_pool is not None and not sync:
+            self._out_of_pool.after_accumulating_backward(self.model.parameters())
         return loss.detach()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -183,6 +188,8 @@ class TrainStep:
         torch_eager.mark_stepped(self.optimizer)
         self.last_grad_norm = None if norm is None else norm.detach().clone()
         self.optimizer.zero_grad(set_to_none=True)
+        if self._out_of_pool is not None:
+            self._out_of_pool.after_update()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._updates = index
