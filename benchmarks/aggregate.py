@@ -30,6 +30,7 @@ PEERS: dict[str, str] = {
     "ours_step_in_backward": "torch_savvy",
     "ours_step_in_graph_unfused": "torch_savvy",
     "ours_step_in_backward_unfused": "torch_savvy",
+    "ours_step_in_backward_cpp": "torch_savvy",
 }
 """Each of our modes and the PyTorch-only mode its compile-time claims are made against: compile_core.compile
 against torch.compile(ddp_model) (DDPOptimizer), train_step against torch_savvy (model and optimizer.step

@@ -32,6 +32,7 @@ MODES: tuple[str, ...] = (
     "ours_step_in_backward",
     "ours_step_in_graph_unfused",
     "ours_step_in_backward_unfused",
+    "ours_step_in_backward_cpp",
 )
 """Every mode, in table order (the bracket first)."""
 
@@ -69,6 +70,8 @@ MODE_HELP: dict[str, str] = {
     "torch's fused kernel",
     "ours_step_in_backward_unfused": "ours_step_in_backward with fused=False on the optimizer: each bucket's update "
     "inside the backward is the captured update graph, compiled with the backward, instead of torch's fused kernel",
+    "ours_step_in_backward_cpp": "ours_step_in_backward with Inductor's C++ wrapper (options={'cpp_wrapper': True}): "
+    "each compiled graph's call runs in C++, not Python (needs the default torch.compile mode)",
 }
 
 IN_GRAPH_MODES = frozenset(
@@ -79,6 +82,7 @@ IN_GRAPH_MODES = frozenset(
         "ours_step_in_backward",
         "ours_step_in_graph_unfused",
         "ours_step_in_backward_unfused",
+        "ours_step_in_backward_cpp",
     }
 )
 """Modes whose compiled backward all-reduces itself: DDP's comm hooks (the overlap recorder) see nothing."""

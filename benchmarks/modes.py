@@ -58,4 +58,5 @@ BUILDERS: dict[str, Callable[[ModeContext], Step]] = {
     "ours_step_in_backward": modes_ours.build_ours_step_in_backward,
     "ours_step_in_graph_unfused": modes_ours.build_ours_step_in_graph_unfused,
     "ours_step_in_backward_unfused": modes_ours.build_ours_step_in_backward_unfused,
+    "ours_step_in_backward_cpp": modes_ours.build_ours_step_in_backward_cpp,
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.mode_context import ModeContext, Step, compile_options, eager_optimizer_step
+from benchmarks.mode_context import ModeContext, ModeUnavailable, Step, compile_options, eager_optimizer_step
 from examples.gpt import lm_loss
 
 
@@ -115,3 +115,15 @@ def build_ours_step_in_graph_unfused(ctx: ModeContext) -> Step:
 def build_ours_step_in_backward_unfused(ctx: ModeContext) -> Step:
     _unfused(ctx)
     return _ours_step(ctx, ddp="in_graph", optimizer_in_backward=True)
+
+
+def build_ours_step_in_backward_cpp(ctx: ModeContext) -> Step:
+    """The in-backward step with Inductor's C++ wrapper (`options={"cpp_wrapper": True}`): each graph's call, its
+    input checks and launches run in C++ instead of Python, where the in-backward step's graphs take about 450
+    inputs (the optimizer state); on the 2-core CPU (tiny GPT, session 62) 3.64 ms a step against 4.13, at about
+    40 s more compile."""
+    if ctx.backend != "inductor":
+        raise ModeUnavailable(f"cpp_wrapper is an Inductor option; this run's backend is {ctx.backend!r}")
+    if ctx.compile_mode:
+        raise ModeUnavailable(f"options= (cpp_wrapper) cannot go with mode={ctx.compile_mode!r} in one compile")
+    return _ours_step(ctx, ddp="in_graph", optimizer_in_backward=True, options={"cpp_wrapper": True})

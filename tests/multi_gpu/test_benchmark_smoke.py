@@ -120,6 +120,7 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
         lacking.add("torch_reducer_overlap")  # Inductor's overlap scheduler estimates with a GPU's figures
     if not hasattr(torch.compiler.config, "compile_on_one_rank"):
         lacking.add("torch_savvy_one_rank")  # torch 2.14's
+    lacking.add("ours_step_in_backward_cpp")  # an Inductor option (cpp_wrapper); the smoke compiles with aot_eager
     if "_bucket_config" not in inspect.getsource(torch.nn.parallel.DistributedDataParallel.__init__):
         lacking.add("comm_only")  # copies DDP's bucket layout, which torch 2.13 made readable (`_bucket_config`)
     for mode, agg in modes.items():
@@ -183,7 +184,7 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
         buckets = len(modes["comm_only"]["info"]["buckets"])
         assert buckets >= 2, modes["comm_only"]["info"]  # the tiny model at the smoke's 1 MiB cap
         assert f"- comm / `comm_only`: {buckets} all-reduces per step" in report
-    for mode in IN_GRAPH_MODES:  # their overlap timeline comes from the profiler
+    for mode in IN_GRAPH_MODES - lacking:  # their overlap timeline comes from the profiler
         assert (out_dir / f"timeline_comm_{mode}.png").read_bytes()[:4] == b"\x89PNG", mode
     assert "| mode |" in out  # the markdown table went to stdout
     assert not list(tmp_path.glob("bench_inductor_*")), "the benchmark left its Inductor cache dirs behind"
