@@ -24,9 +24,10 @@
 #                     benchmark's cold compiles, the CUDA-graphs probe of the accumulating modes (PROBE34_MODES)
 #                     and the update kernels (benchmarks/update_kernels.py, $OUT/update_kernels.json); the GPU
 #                     benchmark (benchmarks/gpu_bench.sh: fp32 and bf16, torch_savvy and our train-step modes;
-#                     in fp32 only, after them, the in-graph and in-backward steps with fused=False (Inductor's
-#                     update instead of torch's fused kernel), the in-backward step with Inductor's C++ wrapper,
-#                     torch_ddpopt and ours_compile (torch_fused: session 61, and update_kernels); warm
+#                     in fp32 only, after them, the in-backward step with fused=False (Inductor's update instead
+#                     of torch's fused kernel) and with Inductor's C++ wrapper, torch_ddpopt and ours_compile
+#                     (torch_fused: session 61, and update_kernels; ours_step_in_graph_unfused compiles the
+#                     whole foreach step, as long as savvy's, and would crowd phase A's 12 jobs); warm
 #                     start-up of torch_savvy and the in-backward step; memory at the peak) under
 #                     $OUT/gpu34; then, with the last BENCH34_CG_S seconds (180), the fp32 train-step modes under
 #                     CUDA graphs (--compile-mode reduce-overhead) under $OUT/gpu34_cg. PROBE_ARGS,
@@ -137,8 +138,8 @@ grep -h -E '^(==|   )' $LOGS/diag_*.txt"
         # shellcheck disable=SC2086 # BENCH34_ARGS is a list of arguments
         part bench34 "$((left - cg))" env OUT="$OUT/gpu34" BUDGET_S=$((left - cg - 30)) PYTHON="$PY" GPU_BENCH_HOLD="$OUT/hold34" \
             bash benchmarks/gpu_bench.sh "${BENCH34_PRECISION:-fp32,bf16}" ${BENCH34_ARGS:---modes \
-            torch_savvy,ours_step,ours_step_in_graph,ours_step_in_backward,ours_step_in_graph_unfused@fp32,\
-ours_step_in_backward_unfused@fp32,ours_step_in_backward_cpp@fp32,torch_ddpopt@fp32,ours_compile@fp32 \
+            torch_savvy,ours_step,ours_step_in_graph,ours_step_in_backward,ours_step_in_backward_unfused@fp32,\
+ours_step_in_backward_cpp@fp32,torch_ddpopt@fp32,ours_compile@fp32 \
             --warm-modes torch_savvy,ours_step_in_backward}
         if ((cg > 0)); then
             left=$((DEADLINE - $(date +%s) - 20))
