@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.config import MODES, OPTIMIZERS, BenchConfig
+from benchmarks.config import DEFAULT_MODES, MODES, OPTIMIZERS, VARIANT_MODES, BenchConfig
 from benchmarks.deps import missing
 from benchmarks.runner import REPO_ROOT
 from benchmarks.workloads import COMPILE_WORKLOAD, TINY_PRESET, WORKLOAD_NAMES, Workload, full_workloads
@@ -65,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="tiny model, 2 steps (+1 profiled), every mode, one job per mode, no timing claims (CI)",
     )
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
+    p.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma list from {','.join(MODES)} (default: all but {', '.join(VARIANT_MODES)})",
+    )
     p.add_argument(
         "--workloads",
         default=None,

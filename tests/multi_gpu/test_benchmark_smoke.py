@@ -84,6 +84,8 @@ def test_smoke_benchmark_every_mode_ends_with_eagers_parameters(tmp_path):
         "--smoke",
         "--workloads",
         "comm",
+        "--modes",
+        ",".join(MODES),  # the variants too, which a run leaves out unless named
         "--layers",
         "1",
         "--timeout",
