@@ -15,7 +15,7 @@ from typing import Any
 
 from benchmarks.bracket import bracket
 from benchmarks.checksum import checksum_distance
-from benchmarks.config import BRACKET_MODES, IN_GRAPH_MODES, MODE_HELP, BenchConfig
+from benchmarks.config import BRACKET_MODES, IN_GRAPH_MODES, MODE_HELP, VARIANT_MODES, BenchConfig
 from benchmarks.memory import gradient_savings, tensor_memory
 
 TIMING_KINDS = ("cold", "warm", "smoke")
@@ -28,9 +28,7 @@ PEERS: dict[str, str] = {
     "ours_step_in_graph": "torch_savvy",
     "ours_step_in_graph_auto": "torch_savvy",
     "ours_step_in_backward": "torch_savvy",
-    "ours_step_in_graph_unfused": "torch_savvy",
-    "ours_step_in_backward_unfused": "torch_savvy",
-    "ours_step_in_backward_cpp": "torch_savvy",
+    **{mode: "torch_savvy" for mode in VARIANT_MODES},
 }
 """Each of our modes and the PyTorch-only mode its compile-time claims are made against: compile_core.compile
 against torch.compile(ddp_model) (DDPOptimizer), train_step against torch_savvy (model and optimizer.step

@@ -12,7 +12,7 @@ from benchmarks.workloads import Workload
 if TYPE_CHECKING:
     from benchmarks.link import LinkShape
 
-MODES: tuple[str, ...] = (
+DEFAULT_MODES: tuple[str, ...] = (
     "floor",
     "comm_only",
     "eager",
@@ -30,22 +30,19 @@ MODES: tuple[str, ...] = (
     "ours_step_in_graph",
     "ours_step_in_graph_auto",
     "ours_step_in_backward",
-    "ours_step_in_graph_unfused",
-    "ours_step_in_backward_unfused",
-    "ours_step_in_backward_cpp",
 )
-"""Every mode, in table order (the bracket first)."""
+"""What a run compares when `--modes` is not given, in table order (the bracket first)."""
 
 VARIANT_MODES: tuple[str, ...] = (
     "ours_step_in_graph_unfused",
     "ours_step_in_backward_unfused",
     "ours_step_in_backward_cpp",
 )
-"""Our modes with one option changed, for the GPU benchmark's questions (issue 34): run when `--modes` names them,
-not by default."""
+"""Our in-graph train steps with one option changed, for the GPU benchmark's questions (issue 34): run when
+`--modes` names them, not by default."""
 
-DEFAULT_MODES: tuple[str, ...] = tuple(m for m in MODES if m not in VARIANT_MODES)
-"""What a run compares when `--modes` is not given."""
+MODES: tuple[str, ...] = DEFAULT_MODES + VARIANT_MODES
+"""Every mode, in table order."""
 
 MODE_HELP: dict[str, str] = {
     "floor": "bracket, lower end: torch.compile(model) + torch.compile'd optimizer.step() on every rank at once, "
@@ -91,9 +88,7 @@ IN_GRAPH_MODES = frozenset(
         "ours_step_in_graph",
         "ours_step_in_graph_auto",
         "ours_step_in_backward",
-        "ours_step_in_graph_unfused",
-        "ours_step_in_backward_unfused",
-        "ours_step_in_backward_cpp",
+        *VARIANT_MODES,
     }
 )
 """Modes whose compiled backward all-reduces itself: DDP's comm hooks (the overlap recorder) see nothing."""
