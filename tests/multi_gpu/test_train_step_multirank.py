@@ -46,11 +46,16 @@ def _counting_allreduce(state, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def _rank_fn(rank: int, world_size: int, backend: str, impl: str):
+def _rank_fn(rank: int, world_size: int, backend: str, impl: str, options: dict | None = None):
     import torch
     import torch.nn.functional as F
 
     from compile_core.step import train_step
+
+    options = dict(options or {})
+    copies = _copy_out_of_pool() if options.pop("copy_out_of_pool", False) else None
+    # a user comm hook keeps DDP's reducer in charge: ddp="in_graph" would not reduce in its graphs
+    count_allreduces = options.pop("count_allreduces", True)
 
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
     data = to_rank_device(
@@ -60,13 +65,15 @@ def _rank_fn(rank: int, world_size: int, backend: str, impl: str):
     model, opt, sched = _setup(impl)
     initial = [p.detach().cpu().numpy().copy() for p in model.parameters()]
     count = _Count()
-    model.register_comm_hook(count, _counting_allreduce)
-    step = train_step(model, opt, F.mse_loss, backend=backend, accum_steps=ACCUM, lr_scheduler=sched)
+    if count_allreduces:
+        model.register_comm_hook(count, _counting_allreduce)
+    step = train_step(model, opt, F.mse_loss, backend=backend, accum_steps=ACCUM, lr_scheduler=sched, **options)
     losses = [step(x, y) for x, y in data]
 
     ref, ref_opt, ref_sched = _setup(impl)
     ref_count = _Count()
-    ref.register_comm_hook(ref_count, _counting_allreduce)
+    if count_allreduces:
+        ref.register_comm_hook(ref_count, _counting_allreduce)
     for i, (x, y) in enumerate(data):
         last = (i + 1) % ACCUM == 0
         with ref.no_sync() if not last else torch.enable_grad():
@@ -88,7 +95,23 @@ def _rank_fn(rank: int, world_size: int, backend: str, impl: str):
         "ref_lr": float(ref_opt.param_groups[0]["lr"]),
         "updates": report["updates"],
         "optimizer": report["optimizer"],
+        "in_backward": report.get("optimizer_in_backward"),
+        "in_graph_reduces": [g.get("variant") for g in report["graphs"] if g.get("variant")],
+        "copies": copies,
     }
+
+
+def _copy_out_of_pool() -> list[int]:
+    """Tell the train step it accumulates under CUDA graphs (none on the CPU: the copy of the accumulated
+    gradients out of their pool runs, compile_core/step/accumulation.py); returns the per-call copy counts."""
+    import compile_core.step.train as train
+    from compile_core.step.accumulation import GradsOutOfGraphPool
+
+    counts: list[int] = []
+    original = GradsOutOfGraphPool.after_accumulating_backward
+    train.accumulates_under_cuda_graphs = lambda config, device_type: True
+    GradsOutOfGraphPool.after_accumulating_backward = lambda self, params: counts.append(original(self, params))
+    return counts
 
 
 @pytest.mark.multi_gpu
@@ -117,6 +140,43 @@ def test_adamw_cosine_accumulation_matches_eager_ddp_on_two_ranks(impl):
         )
 
     # DDP keeps replicas identical; different data per rank means this is not trivially true.
+    assert results[0]["losses"] != results[1]["losses"]
+    for i, (p0, p1) in enumerate(zip(results[0]["params"], results[1]["params"])):
+        np.testing.assert_array_equal(p0, p1, err_msg=f"param {i} differs between ranks")
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "options",
+    [{"ddp": "split"}, {"ddp": "in_graph"}, {"ddp": "in_graph", "optimizer_in_backward": True}],
+    ids=["split", "in_graph", "in_backward"],
+)
+def test_accumulated_gradients_copied_out_of_the_cuda_graph_pool_match_eager_ddp_on_two_ranks(options):
+    """The copy a train step makes of its accumulated `.grad` under CUDA graphs, run here on the CPU (the step
+    told it accumulates under CUDA graphs): the parameters are eager DDP's on both ranks, in every way of
+    reducing, the in-backward update included (the accumulated copies enter the synchronising graph)."""
+    results = run_ranks(
+        _rank_fn,
+        "aot_eager",
+        "default",
+        {**options, "copy_out_of_pool": True, "count_allreduces": False},
+        world_size=2,
+        timeout=240,
+    )
+    n = len(results[0]["params"])
+    for rank, r in enumerate(results):
+        assert r["updates"] == UPDATES
+        assert r["copies"] == [n] * UPDATES, r["copies"]  # once per update: the first micro-batch's gradients
+        if options["ddp"] == "in_graph":  # the accumulated copies enter the synchronising graph
+            assert any(v.startswith("reduce_acc") for v in r["in_graph_reduces"]), r["in_graph_reduces"]
+        if options.get("optimizer_in_backward"):
+            in_backward = r["in_backward"]
+            assert in_backward["active"], in_backward["reason"]
+            assert in_backward["updates_in_backward"] == UPDATES - 1, in_backward  # update 1 runs as eager DDP
+        assert any(not np.array_equal(p, q) for p, q in zip(r["params"], r["initial"])), "training changed nothing"
+        for i, (p, q) in enumerate(zip(r["params"], r["ref_params"])):
+            np.testing.assert_allclose(p, q, rtol=1e-4, atol=1e-6, err_msg=f"rank {rank} param {i} vs eager DDP")
     assert results[0]["losses"] != results[1]["losses"]
     for i, (p0, p1) in enumerate(zip(results[0]["params"], results[1]["params"])):
         np.testing.assert_array_equal(p0, p1, err_msg=f"param {i} differs between ranks")
