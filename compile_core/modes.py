@@ -15,7 +15,7 @@ Every mode has the same small contract (`CompileMode`):
 | "split" | `SplitMode` | cut at bucket boundaries | DDP's reducer, rebuilt to our buckets |
 | "none" / not DDP | `WholeMode` | whole | DDP's reducer as DDP built it (or nobody) |
 | "torch" | `TorchMode` | cut by PyTorch's DDPOptimizer | DDP's reducer |
-| "in_graph" | `InGraphMode` | whole | the compiled backward itself |
+| "in_graph" | `InGraphMode` | whole | the compiled backward (a comm hook it cannot run: DDP's reducer, our buckets) |
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from compile_core.pieces import PieceCompiler
 from compile_core.report import CompileLog, GraphEntry
 from ddp import torch_ddp
 from ddp.agreement import RankAgreement
-from ddp.alignment import ReducerAlignment
+from ddp.alignment import PlannedGraph, ReducerAlignment
 from ddp.bucketing.grad_buckets import GradBucketPlan
 from ddp.in_graph import GraphLog, InGraphReducer, guard_variant_in, in_graph_blocker
 from ddp.splitter import DDPSplitter, SplitGraph, SplitterConfig
@@ -160,7 +160,7 @@ class SplitMode(CompileMode):
         )
         with self.ctx.log.lock:
             self.ctx.log.graphs.append(entry)
-        self.alignment.record(self.ctx.calls(), graph)
+        self.alignment.record(self.ctx.calls(), PlannedGraph(graph.name, graph.params))
 
     def install(self, model: torch.nn.Module, inner: torch.nn.Module, events: CompileEvents) -> None:
         if self.alignment.status == "pending":
@@ -233,14 +233,41 @@ class InGraphMode(CompileMode):
             reduce_dtype=ctx.config.reduce_dtype,
             cuda_graphs=ctx.config.backend == "inductor" and ctx.config.inductor_settings().cuda_graphs,
         )
+        self._alignment_settled = False  # `_follow_reduction` chose the alignment for good
+        self._follow_reduction()
 
     def _alignment(self) -> ReducerAlignment:
-        return ReducerAlignment(
-            ddp=self.ctx.ddp,
-            names=self.ctx.names,
-            status="not applicable",
-            detail="ddp='in_graph': the compiled backward all-reduces, DDP's reducer stays idle",
-        )
+        # The compiled backward all-reduces unless a comm hook says otherwise (`_follow_reduction`).
+        return ReducerAlignment(ddp=self.ctx.ddp, names=self.ctx.names, status="not applicable", detail=_IN_GRAPH)
+
+    def _follow_reduction(self) -> None:
+        """Where DDP's reducer reduces for good (a comm hook the compiled backward cannot run, registered before the
+        first synchronising step), it is to reduce the buckets the eager script's DDP reduces: after update 1 eager
+        DDP rebuilds them from the order its gradients became ready, an order-dependent hook (PowerSGD draws its
+        projections tensor by tensor, in bucket order) depends on it, and a rebuild after a compiled backward,
+        which hands every gradient over at its end, would follow another. So its reducer gets our graphs' buckets,
+        planned in the backward's order (ddp/alignment.py), unless DDP keeps or builds the eager layout itself:
+        `find_unused_parameters=True` (DDP never rebuilds) or an update 1 run eagerly (the in-backward step)."""
+        alignment, reducer = self.alignment, self._reducer
+        if alignment.status == "pending" and reducer.eager_steps and not alignment.synced:
+            self._alignment_not_applicable(_EAGER_REBUILT)  # a forward before the train step's eager update 1
+            return
+        if self._alignment_settled:
+            return
+        if reducer.reduction.in_graph:
+            self._alignment_settled = reducer.sync_steps > 0  # comm hooks are fixed from then on
+            return
+        self._alignment_settled = True
+        if self.ctx.ddp.find_unused_parameters:
+            self._alignment_not_applicable(_NEVER_REBUILT)
+        elif reducer.eager_steps:
+            self._alignment_not_applicable(_EAGER_REBUILT)
+        else:
+            self.alignment = ReducerAlignment(ddp=self.ctx.ddp, names=self.ctx.names, agreement=self.ctx.agreement)
+
+    def _alignment_not_applicable(self, detail: str) -> None:
+        ctx = self.ctx
+        self.alignment = ReducerAlignment(ddp=ctx.ddp, names=ctx.names, status="not applicable", detail=detail)
 
     @property
     def reducer(self) -> InGraphReducer:
@@ -252,7 +279,13 @@ class InGraphMode(CompileMode):
 
     def _record(self, name: str, plan: GradBucketPlan | None, after: list[str]) -> None:
         buckets = [] if plan is None else [b.to_dict() for b in plan.buckets]
-        for bucket, op in zip(buckets, after or ["(compiled artifact from cache)"] * len(buckets)):
+        by_ddp = plan is not None and not self._reducer.reduction.in_graph
+        if by_ddp:
+            param_of = {self.ctx.names[id(p)]: p for p in self._reducer.params if id(p) in self.ctx.names}
+            planned = [[param_of[n] for n in b.params if n in param_of] for b in plan.buckets]
+            self.alignment.record(self.ctx.calls(), PlannedGraph(name, planned))
+        unplaced = _BY_DDP if by_ddp else "(compiled artifact from cache)"
+        for bucket, op in zip(buckets, after or [unplaced] * len(buckets)):
             bucket["after"] = op
         log = self.ctx.log
         with log.lock:
@@ -277,9 +310,14 @@ class InGraphMode(CompileMode):
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self.ctx.eager():
             self._reducer.after_forward(output)
+            if self.alignment.status == "pending":
+                self.alignment.after_forward(output)
 
     def before_forward(self) -> None:
-        self._reducer.before_forward()
+        self._reducer.before_forward()  # takes up a comm hook registered since the last forward
+        self._follow_reduction()
+        if self.alignment.status == "pending":
+            self.alignment.before_forward(self.ctx.calls())
 
     def join_hook(self, hook: JoinHook) -> JoinHook:
         return self._reducer.join_hook(hook)
@@ -287,6 +325,17 @@ class InGraphMode(CompileMode):
     def report_fields(self) -> dict[str, Any]:
         return {"in_graph": self._reducer.to_dict()}
 
+
+_IN_GRAPH = "ddp='in_graph': the compiled backward all-reduces, DDP's reducer stays idle"
+_BY_DDP = "(after the backward, by DDP's reducer: its comm hook)"
+_NEVER_REBUILT = (
+    "DDP's reducer runs the comm hook; with find_unused_parameters=True it keeps the buckets it was built with, "
+    "as in the eager script"
+)
+_EAGER_REBUILT = (
+    "DDP's reducer runs the comm hook and rebuilt its buckets after update 1, which ran eagerly, as the eager "
+    "script's DDP does"
+)
 
 MODES: dict[str, type[CompileMode]] = {
     "split": SplitMode,

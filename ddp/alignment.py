@@ -34,6 +34,11 @@ first step or between steps). So the ranks agree without a rendezvous of their o
   * all ranks take the lowest rank's layout (as DDP's rebuild does); a rank whose own plan differed is
     named in the report. If any rank cannot swap, none does.
 
+Who uses it: `ddp="split"` (pieces are buckets: the overlap), and `ddp="in_graph"` where DDP's reducer runs a comm
+hook the compiled backward cannot (one graph hands every gradient over at its end, so nothing overlaps; the swap
+gives the reducer the buckets eager DDP rebuilds, in the backward's order, which an order-dependent hook such as
+PowerSGD reads: compile_core/modes.py, `InGraphMode._follow_reduction`).
+
 Notes: we leave the reducer alone (and say why in the report) when DDP is in a mode the swap cannot
 preserve: the python reducer, mixed precision, delayed all-reduce params, or a bucket that mixes
 dtypes or devices. Parameters that no graph touched (used eagerly between graph breaks, or unused)
@@ -56,7 +61,6 @@ from torch.nn.parallel import DistributedDataParallel
 from aot.torch_eager import tree_leaves
 from ddp import torch_ddp, torch_ddp_reducer
 from ddp.agreement import PostedValue, RankAgreement
-from ddp.splitter import SplitGraph
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +144,22 @@ def arm_end_of_backward(output: Any, callback: Any) -> None:
             t.register_hook(hook)
 
 
-def planned_buckets(graphs: Sequence[SplitGraph]) -> list[list[torch.nn.Parameter]]:
+@dataclasses.dataclass(frozen=True)
+class PlannedGraph:
+    """One compiled graph as the alignment sees it: its name and the real parameters of each of its buckets."""
+
+    name: str
+    buckets: list[list[torch.nn.Parameter]]
+    """In backward order (the order their gradients are ready)."""
+
+
+def planned_buckets(graphs: Sequence[PlannedGraph]) -> list[list[torch.nn.Parameter]]:
     """Every bucket of `graphs` (compiled in one step, in forward order), in backward order.
 
     Later graphs run their backward first. A parameter used by several graphs is ready after the
     earliest of them, so it keeps only its last place in backward order.
     """
-    buckets = [bucket for graph in reversed(graphs) for bucket in graph.params]
+    buckets = [bucket for graph in reversed(graphs) for bucket in graph.buckets]
     seen: set[int] = set()
     deduped: list[list[torch.nn.Parameter]] = []
     for bucket in reversed(buckets):
@@ -175,8 +188,8 @@ class ReducerAlignment:
     """Why (for skipped) or what (for aligned), in words."""
     buckets: list[frozenset[str]] = dataclasses.field(default_factory=list)
     """The buckets DDP reduces since the swap (user names), in backward order."""
-    graphs: list[tuple[int, SplitGraph]] = dataclasses.field(default_factory=list)
-    """(step that compiled it, graph) for every split graph."""
+    graphs: list[tuple[int, PlannedGraph]] = dataclasses.field(default_factory=list)
+    """(step that compiled it, graph) for every graph planned into buckets."""
     notes: list[str] = dataclasses.field(default_factory=list)
     """Facts worth a line in the report (ranks that planned differently, late graphs)."""
     agreement: RankAgreement | None = None
@@ -194,17 +207,18 @@ class ReducerAlignment:
         if self.status not in STATUSES:
             raise ValueError(f"status={self.status!r}: expected one of {STATUSES}")
 
-    def record(self, step: int, graph: SplitGraph) -> None:
-        """A graph was split; after the swap, a graph whose pieces are not DDP buckets gets a note."""
+    def record(self, step: int, graph: PlannedGraph) -> None:
+        """A graph was planned; after the swap, a graph whose buckets are not DDP buckets gets a note."""
         if self.status in ("not applicable", "not ours"):
             return
         self.graphs.append((step, graph))
         if self.status != "aligned":
             return
         aligned = set(self.buckets)
-        stray = [list(b.params) for b in graph.plan.buckets if b.params and frozenset(b.params) not in aligned]
+        named = [[self.names[id(p)] for p in b] for b in graph.buckets]
+        stray = [b for b in named if b and frozenset(b) not in aligned]
         if stray:
-            self.notes.append(f"{graph.name} (compiled at step {step}) has pieces that are not DDP buckets: {stray}")
+            self.notes.append(f"{graph.name} (compiled at step {step}) has buckets that are not DDP's: {stray}")
 
     def before_forward(self, step: int) -> None:
         """Before DDP's forward number `step + 1` (`step` counts earlier forwards): swap if this rank's first
@@ -243,7 +257,7 @@ class ReducerAlignment:
             else PostedValue(topic="bucket layout", n=0, value=offer)
         )
 
-    def layout_graphs(self) -> list[SplitGraph]:
+    def layout_graphs(self) -> list[PlannedGraph]:
         """The graphs of the layout forward (what the first forward with gradients compiled)."""
         return [g for step, g in self.graphs if step == self.layout_forward]
 

@@ -157,7 +157,10 @@ class GraphCompiler:
             variant = site.variant
             if variant == "local":
                 compiled, _ = compile_piece(gm, fakeify(example_inputs), name)
-                graph_log.record(name, None, after_ops)
+                # Where DDP's reducer reduces for good (a comm hook we cannot compile), the buckets it should
+                # reduce: the ones eager DDP rebuilds from the order its gradients become ready (ddp/alignment.py).
+                by_ddp = not site.reduction.in_graph and torch.is_grad_enabled()
+                graph_log.record(name, self.bucketing.plan(gm, example_inputs) if by_ddp else None, after_ops)
                 return compiled
             plan = self.bucketing.plan(gm, example_inputs)
             original = gm

@@ -58,7 +58,8 @@ class GraphLog:
     """A name for the next graph (`graph_<n>`)."""
     record: Callable[[str, GradBucketPlan | None, list[str]], None]
     """(name, its buckets or None where it reduces nothing, the backward op after which each bucket's all-reduce
-    is issued), in the variant the reducer holds."""
+    is issued), in the variant the reducer holds. In the "local" variant, buckets and no ops: the buckets DDP's
+    reducer is to reduce where it reduces for good (a comm hook the graph cannot run)."""
 
 
 @dataclasses.dataclass(frozen=True)

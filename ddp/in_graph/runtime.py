@@ -129,6 +129,8 @@ class InGraphReducer:
         self._new_variant = False
         self._had_grad: set[int] = set()  # covered params holding a .grad when the backward began
         self._eager_uses: dict[int, int] | None = None  # ops per parameter in an eager step (`after_eager_step`)
+        self.eager_steps = 0
+        """Synchronising steps the caller ran eagerly (`after_eager_step`): DDP's reducer reduced them."""
         self.accumulated = AccumulatedGradients(self.params, lend=not cuda_graphs)
         """Gradients accumulated under no_sync, on their way into the synchronising graph (accumulated.py)."""
         bucketing = Bucketing(
@@ -286,6 +288,7 @@ class InGraphReducer:
         hooks registered so far, the parameters that step found with gradients from outside the model's
         outputs (`probe.eager_outside_producers`), and how many ops took each parameter
         (`probe.gradient_uses`); every rank calls this at the same step."""
+        self.eager_steps += 1
         self._check_hooks()
         self.after.learn_outside(outside, self.agreement, self.params)
         # The most uses any rank saw (a branch some rank's data skipped): every rank's graphs then leave the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from tests.multi_gpu.ddp_compare import ok, run_scenarios
 from tests.multi_gpu.field_models import (
@@ -59,6 +59,13 @@ def _in_graph(rank: int, script: Script, **kwargs) -> dict:
 DELAYED = (("head.weight", "head.bias", "body.2.weight"), "body.0.weight")
 
 
+def _powersgd(ddp) -> None:
+    """PowerSGD as its docs set it up: plain all-reduce for the first update, then rank-1 compression, with
+    error feedback and warm start; its random projections are drawn tensor by tensor in the bucket's order."""
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
 def _branch_on(first: int, last: int = 10**9):
     def before(model, step):
         model.use_extra = first <= step <= last
@@ -91,6 +98,15 @@ SCENARIOS = {
         r, _script(eager_setup=lambda d: d.register_comm_hook(None, bf16_by_hand)), reduce_dtype=torch.bfloat16
     ),
     "custom_comm_hook": lambda r: _in_graph(r, _script(setup=lambda d: d.register_comm_hook(Halve(), halve_hook))),
+    # DDP's caps (one bucket: PowerSGD over several gloo buckets can pair its chained all-reduces out of order
+    # across the ranks, in the eager script too)
+    "powersgd_comm_hook": lambda r: _in_graph(r, _script(setup=_powersgd, steps=4), bucket_cap_mb=None),
+    "powersgd_comm_hook_train_step": lambda r: run_against_eager(
+        _script(setup=_powersgd, steps=4), r, how="train_step", ddp="in_graph"
+    ),
+    "powersgd_comm_hook_in_backward": lambda r: run_against_eager(
+        _script(setup=_powersgd, steps=4), r, how="train_step", ddp="in_graph", optimizer_in_backward=True
+    ),
     "branch_joins_late": lambda r: _in_graph(
         r, _script(make_model=Branchy, before_step=_branch_on(2), ddp_kwargs={"find_unused_parameters": True})
     ),
@@ -459,6 +475,25 @@ def test_a_custom_comm_hook_runs_through_ddps_reducer_and_says_so(results):
     assert report["in_graph"]["reducer"] == "ddp", report["in_graph"]
     assert "halve_hook" in report["in_graph"]["reason"]
     assert not _reduced_in_graph(report)
+
+
+@pytest.mark.parametrize(
+    "name", ["powersgd_comm_hook", "powersgd_comm_hook_train_step", "powersgd_comm_hook_in_backward"]
+)
+def test_powersgd_gets_the_buckets_eager_ddp_rebuilds(results, name):
+    """DDP's reducer runs PowerSGD; it compresses the bucket's matrices in the bucket's order, so the buckets must
+    be those eager DDP rebuilds after update 1 from the order its gradients became ready, not the order in which
+    one compiled backward hands them all over at its end (0.002 apart after 4 updates before session 63). The
+    in-backward step runs update 1 eagerly: DDP rebuilds them itself, from that order."""
+    per_rank = ok(results, name)
+    assert_like_eager(per_rank)
+    report = per_rank[0]["report"]
+    assert report["in_graph"]["reducer"] == "ddp", report["in_graph"]
+    alignment = report["alignment"]
+    if name.endswith("in_backward"):
+        assert alignment["status"] == "not applicable" and "ran eagerly" in alignment["detail"], alignment
+    else:
+        assert alignment["status"] == "aligned", alignment
 
 
 @pytest.mark.parametrize("name", ["branch_joins_late", "branch_leaves", "experts_switch_per_step"])
