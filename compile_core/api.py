@@ -180,6 +180,10 @@ class CompileState:
             dynamic=config.dynamic,
             on_compiled=self._graph_compiled,
             guard_module_hooks=True,  # a hook the user adds (or removes) after a compile runs as in eager
+            # Every compiled model's entry shares one code object, which Dynamo's cache hangs off: shared, each
+            # model compiled in a process added cache entries to the same list, and from the 9th on (Dynamo's
+            # recompile limit, 8) the model ran uncompiled, with no word but Dynamo's warning.
+            isolate_recompiles=True,
         )
         self._installed = Detached(self._run_inner, copied_as=None)
         install_compiled_call(inner, self._installed)

@@ -242,3 +242,15 @@ def test_no_grad_and_in_place_only_region():
     compiled, report = run_against_eager(NoGradMiddle, x, backend="aot_eager", bucket_cap_mb=0.001)
     assert report["graphs"][0]["pieces"] == 3
     assert compiled.module.calls.item() == 2
+
+
+def test_every_model_a_process_compiles_is_compiled_past_dynamos_recompile_limit():
+    """Every compiled model enters through one function of ours; Dynamo keeps its cache on the function's code
+    object and runs a code object uncompiled once it holds its recompile limit (8) of entries. Until session 63
+    the 9th model compiled in a process (a sweep, a notebook, an evaluation harness) compiled no graph at all."""
+    for i in range(10):
+        model = compile_core.compile(DDP(mlp(2, 32)), backend="aot_eager")
+        loss = model(torch.randn(4, 32)).sum()
+        loss.backward()
+        report = model.report().to_dict()
+        assert len(report["graphs"]) == 1 and not report["graph_breaks"], f"model {i + 1}: {report['graphs']}"
