@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -38,6 +39,13 @@ def check_inputs(
             f"optimizer={type(optimizer).__name__}: expected a torch.optim.Optimizer, "
             "e.g. torch.optim.AdamW(model.parameters())"
         )
+    if _step_needs_closure(optimizer):
+        raise ValueError(
+            f"optimizer={type(optimizer).__name__}: its step(closure) evaluates the model again through a closure "
+            "(several forwards and backwards per update), which a train step's one forward and backward cannot "
+            "give it: compile the model with compile_core.compile(ddp_model) and call optimizer.step(closure) in "
+            "your own loop"
+        )
     if not callable(loss_fn):
         raise TypeError(
             f"loss_fn={loss_fn!r} is not callable: pass a function (output, target) -> scalar loss, "
@@ -63,6 +71,16 @@ def check_inputs(
             "not have: leave lr_scheduler unset and call scheduler.step(metric) yourself after validation; "
             "train_step reads the learning rate it set at every update"
         )
+
+
+def _step_needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` cannot run without a closure (torch.optim.LBFGS; any optimizer whose step takes a
+    `closure` without a default)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step without a signature Python can read: not ours to judge
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 NO_TARGET: Any = object()
