@@ -19,6 +19,7 @@ import contextlib
 import functools
 import inspect
 import types
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -72,15 +73,21 @@ def compile_with_guard_hook(
     `torch.compile` has no route to the guard failures, which are the reasons of every recompile.
     Dynamo calls the hook once per cached entry that failed, just before it compiles again.
     `isolate_recompiles` gives `fn` a cache of its own even when several wrappers share its code.
+    Dynamo holds `backend` and what it compiles weakly (`_WeakBackend`); the returned function holds them.
     `guard_module_hooks`: a module hook registered or removed after a compile compiles again, as eager runs
     it (`_dynamo/config.py: skip_nnmodule_hook_guards`, True by default, leaves the first-compiled hooks
     running: plain `torch.compile` ignores a forward hook added after its first call).
     """
 
+    hold = _Hold(lookup_backend(backend), on_guard_fail)
+    weak_hold = weakref.ref(hold)  # Dynamo's guards keep this hook (see `_WeakBackend`)
+
     def guard_fail_fn(failure: Any) -> None:  # a `GuardFail(reason, orig_code)` (`_dynamo/types.py`)
         code = getattr(failure, "orig_code", None)
         where = f"{code.co_filename}:{code.co_firstlineno} {code.co_name}" if code is not None else ""
-        on_guard_fail(str(getattr(failure, "reason", failure)), where)
+        alive = weak_hold()
+        if alive is not None:
+            alive.on_guard_fail(str(getattr(failure, "reason", failure)), where)
 
     # isolate_recompiles came with torch 2.13. Without it (2.11, the GPU machines' torch) every wrapper of one
     # code object shares that code's cache: the per-block optimizer update compiles one function per distinct
@@ -91,7 +98,7 @@ def compile_with_guard_hook(
     if isolate_recompiles and not _TAKES_ISOLATE_RECOMPILES:
         fn = _on_own_code(fn)
     compiled = torch._dynamo.optimize(
-        backend,
+        _WeakBackend(hold),
         nopython=fullgraph,
         dynamic=dynamic,
         guard_fail_fn=guard_fail_fn,
@@ -102,7 +109,55 @@ def compile_with_guard_hook(
         unskipped.append("skip_tensor_guards_with_matching_dict_tags")
     if guard_module_hooks:
         unskipped.append("skip_nnmodule_hook_guards")
-    return _with_guards_unskipped(compiled, unskipped) if unskipped else compiled
+    result = _with_guards_unskipped(compiled, unskipped) if unskipped else compiled
+    result._ddp_compile_hold = hold  # the backend and its graphs live as long as the function that compiles
+    return result
+
+
+class _Hold:
+    """What a compiled function keeps for Dynamo's weak references (`_WeakBackend`): the backend, what it
+    compiled, and the hook on failed guards."""
+
+    def __init__(self, backend: Callable[..., Any], on_guard_fail: Callable[[str, str], None]) -> None:
+        self.backend = backend
+        self.compiled: list[Callable[..., Any]] = []
+        self.on_guard_fail = on_guard_fail
+
+
+class _WeakBackend:
+    """The backend as Dynamo is handed it, and what it compiles as Dynamo keeps it: weakly.
+
+    Dynamo keeps every backend it was given in a module-level dict (`cached_backends`, `_dynamo/eval_frame.py`,
+    emptied only by `torch._dynamo.reset()`) and every compiled graph in the globals of the module whose frame it
+    compiled (`__compiled_fn_*`), for the rest of the process, and a cache entry's guards keep the hook on failed
+    guards until the code object goes. Ours reach the model they compile for, so every compiled model stayed alive
+    with its parameters, gradients and DDP buckets (plain `torch.compile`'s do not). Dynamo gets weak
+    references; the function `compile_with_guard_hook` returns holds the rest (`_Hold`)."""
+
+    def __init__(self, hold: _Hold) -> None:
+        self._hold = weakref.ref(hold)
+        self.__name__ = getattr(hold.backend, "__name__", type(hold.backend).__name__)  # Dynamo's errors name it
+
+    def __call__(self, gm: Any, example_inputs: list) -> Callable[..., Any]:
+        hold = self._hold()
+        if hold is None:
+            raise RuntimeError("the function this graph was captured for is gone (its compiled wrapper was released)")
+        compiled = hold.backend(gm, example_inputs)
+        hold.compiled.append(compiled)
+        return _WeakCall(compiled)
+
+
+class _WeakCall:
+    """A compiled graph as Dynamo's bytecode calls it (see `_WeakBackend`)."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self._compiled = weakref.ref(compiled)
+
+    def __call__(self, *args: Any) -> Any:
+        compiled = self._compiled()
+        if compiled is None:
+            raise RuntimeError("the function this graph was compiled for is gone (its compiled wrapper was released)")
+        return compiled(*args)
 
 
 _TAKES_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters

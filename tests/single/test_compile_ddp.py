@@ -254,3 +254,39 @@ def test_every_model_a_process_compiles_is_compiled_past_dynamos_recompile_limit
         loss.backward()
         report = model.report().to_dict()
         assert len(report["graphs"]) == 1 and not report["graph_breaks"], f"model {i + 1}: {report['graphs']}"
+
+
+@pytest.mark.parametrize("how", ["split", "in_graph", "train_step", "train_step_in_backward"])
+def test_a_compiled_model_the_script_drops_is_freed(how):
+    """A sweep or a notebook compiles model after model: each must go, with its parameters, gradients and DDP
+    buckets, once the script drops it, as with plain torch.compile. Until session 63 Dynamo's process-wide tables
+    (its backends, its compiled graphs, the hooks of its guards) reached every model we compiled, for good."""
+    import gc
+    import weakref
+
+    def train_one() -> weakref.ref:
+        inner = mlp(2, 32)
+        ddp = DDP(inner)
+        x, y = torch.randn(4, 32), torch.randn(4, 32)
+        if how.startswith("train_step"):
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+            in_backward = how.endswith("in_backward")
+            step = compile_core.train_step(
+                ddp,
+                opt,
+                torch.nn.functional.mse_loss,
+                backend="aot_eager",
+                ddp="in_graph" if in_backward else None,
+                optimizer_in_backward=in_backward,
+            )
+            for _ in range(3):
+                step(x, y)
+        else:
+            model = compile_core.compile(ddp, backend="aot_eager", ddp=how)
+            for _ in range(2):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+        return weakref.ref(inner)
+
+    gone = train_one()
+    gc.collect()
+    assert gone() is None, "the compiled model outlived the script's last reference to it"
