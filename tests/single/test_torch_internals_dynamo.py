@@ -56,6 +56,37 @@ def test_wrappers_of_one_function_compiled_with_isolate_recompiles_keep_caches_a
         assert not [f for f in failures if "size" in f.lower()], failures
 
 
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_what_a_compiled_function_reaches_goes_with_it():
+    """Dynamo keeps its backends (`cached_backends`), the graphs they compile (`__compiled_fn_*` globals) and the
+    hook on failed guards (inside each cache entry's guards) for the rest of the process; `compile_with_guard_hook`
+    hands it weak references, so what the backend, its graphs and the hook reach (the model) goes with the
+    function it returned. Sizes change once, so the hook is installed and called."""
+    with canary("aot/torch_dynamo.py:compile_with_guard_hook"):
+        import gc
+        import weakref
+
+        class Owner:  # what the model is in compile_core: reached by the backend, its graphs and the hook
+            def backend(self, gm, example_inputs):
+                return lambda *args: gm(*args)
+
+            def on_guard_fail(self, reason: str, where: str) -> None:
+                self.failures.append(reason)
+
+        owner = Owner()
+        owner.failures = []
+        fn = torch_dynamo.compile_with_guard_hook(
+            lambda x: x * 2, owner.backend, on_guard_fail=owner.on_guard_fail, dynamic=False, isolate_recompiles=True
+        )
+        assert torch.equal(fn(torch.ones(3)), torch.full((3,), 2.0))
+        assert torch.equal(fn(torch.ones(5)), torch.full((5,), 2.0))
+        assert owner.failures, "no guard failed: the hook was not exercised"
+        gone = weakref.ref(owner)
+        del owner, fn
+        gc.collect()
+        assert gone() is None, "Dynamo keeps something of the compiled function strongly"
+
+
 class _TwoLayers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
