@@ -327,7 +327,7 @@ class InGraphMode(CompileMode):
 
 
 _IN_GRAPH = "ddp='in_graph': the compiled backward all-reduces, DDP's reducer stays idle"
-_BY_DDP = "(after the backward, by DDP's reducer: its comm hook)"
+_BY_DDP = "the backward, by DDP's reducer (its comm hook)"
 _NEVER_REBUILT = (
     "DDP's reducer runs the comm hook; with find_unused_parameters=True it keeps the buckets it was built with, "
     "as in the eager script"
