@@ -316,8 +316,7 @@ class InGraphMode(CompileMode):
     def before_forward(self) -> None:
         self._reducer.before_forward()  # takes up a comm hook registered since the last forward
         self._follow_reduction()
-        if self.alignment.status == "pending":
-            self.alignment.before_forward(self.ctx.calls())
+        self.alignment.before_forward(self.ctx.calls())
 
     def join_hook(self, hook: JoinHook) -> JoinHook:
         return self._reducer.join_hook(hook)

@@ -41,8 +41,13 @@ PowerSGD reads: compile_core/modes.py, `InGraphMode._follow_reduction`).
 
 Notes: we leave the reducer alone (and say why in the report) when DDP is in a mode the swap cannot
 preserve: the python reducer, mixed precision, delayed all-reduce params, or a bucket that mixes
-dtypes or devices. Parameters that no graph touched (used eagerly between graph breaks, or unused)
-go to one trailing bucket so that every parameter is still reduced.
+dtypes or devices. With `static_graph=True` the new reducer is static too, and its first backward must be a
+static graph's first (every bucket reduced at its end), as DDP's own reducer's was: a backward it saw before,
+under `no_sync()`, would be counted as part of that one, and no bucket would be ready after it. So there the swap
+waits for the first synchronising forward (DDP's ranks run those in step). DDP itself would rebuild its
+buckets only after its second backward, from the compiled backward's order. Parameters
+that no graph touched (used eagerly between graph breaks, or unused) go to one trailing bucket so that
+every parameter is still reduced.
 
 Debugging: `CompiledModel.report()` lists planned buckets and this alignment's state; with a
 `ddp.overlap.OverlapRecorder` attached it also compares them with the buckets DDP really reduced.
@@ -226,10 +231,10 @@ class ReducerAlignment:
         self._forward = step + 1
         if self.status != "pending":
             return
-        if self.synced:
+        grad = torch.is_grad_enabled()
+        if self.synced and (grad and self.ddp.require_backward_grad_sync or not self.ddp.static_graph):
             self._align(self._forward)
             return
-        grad = torch.is_grad_enabled()
         if grad and self.layout_forward is None:
             self.layout_forward = self._forward
         self._sync_forward = grad and bool(self.ddp.require_backward_grad_sync)
@@ -285,6 +290,8 @@ class ReducerAlignment:
         # tensors, which every later backward writes into, must not be inference tensors.
         with torch.inference_mode(False):
             frozen = rebuild_reducer(self.ddp, chosen)
+        if self.ddp.static_graph:  # this forward synchronises (`before_forward`)
+            torch_ddp.queue_static_graph_first_backward(self.ddp)
         params, _ = torch_ddp.reducer_params(self.ddp)
         self.buckets = [frozenset(self.names[id(params[i])] for i in b) for b in chosen]
         self.status = "aligned"

@@ -92,6 +92,20 @@ def keep_static_graph_reducer_idle(ddp: DistributedDataParallel) -> None:
     ddp._static_graph_delay_allreduce_enqueued = True
 
 
+def queue_static_graph_first_backward(ddp: DistributedDataParallel) -> None:
+    """Make the backward of this forward a `static_graph=True` DDP's first again, for a reducer just put in place.
+
+    Mirrors `_set_static_graph` and `_DDPSink.backward` (distributed.py): while
+    `_static_graph_delay_allreduce_enqueued` is unset, DDP's forward routes its output through `_DDPSink`, whose
+    backward queues `reducer._delay_all_reduce`: the reducer's first backward counts how often each gradient
+    hook fires and reduces every bucket at its end. Only before a synchronising forward, on a reducer that has seen
+    no backward: `_delay_all_reduce` asserts the reducer was prepared for a backward, which a `no_sync()` forward
+    does not do, and a reducer counts the hooks of every backward until its first ends (`reducer.cpp`,
+    `num_bwd_calls_`).
+    """
+    ddp._static_graph_delay_allreduce_enqueued = False
+
+
 def ignored_names(ddp: DistributedDataParallel) -> frozenset[str]:
     """Fully qualified names DDP neither reduces nor broadcasts (`parameters_to_ignore`)."""
     return frozenset(getattr(ddp, "parameters_to_ignore", ()) or ())

@@ -31,15 +31,15 @@ class DDPOptionBlocker:
     """The same, for people."""
 
 
-BLOCKING_OPTIONS = ("python_reducer", "mixed_precision", "delayed_all_reduce", "static_graph", "sparse_gradients")
+BLOCKING_OPTIONS = ("python_reducer", "mixed_precision", "delayed_all_reduce", "sparse_gradients")
 
 
 def reducer_swap_blocker(ddp: DistributedDataParallel) -> DDPOptionBlocker | None:
     """Why a replacement reducer could not keep DDP's behaviour (None when it can).
 
     Each flag is a DDP construction option the reducer we build cannot reproduce: the python
-    reducer (`_use_python_reducer`), `mixed_precision`, delayed all-reduce parameters
-    (`_delay_all_reduce_params`) and `static_graph` (distributed.py, `__init__`).
+    reducer (`_use_python_reducer`), `mixed_precision` and delayed all-reduce parameters
+    (`_delay_all_reduce_params`) (distributed.py, `__init__`). `static_graph` it reproduces (`install_reducer`).
     """
     if getattr(ddp, "_use_python_reducer", False):
         return DDPOptionBlocker("python_reducer", "DDP uses the python reducer")
@@ -47,8 +47,6 @@ def reducer_swap_blocker(ddp: DistributedDataParallel) -> DDPOptionBlocker | Non
         return DDPOptionBlocker("mixed_precision", "DDP mixed_precision is set")
     if getattr(ddp, "_delay_all_reduce_params", None):
         return DDPOptionBlocker("delayed_all_reduce", "DDP has delayed all-reduce parameters")
-    if getattr(ddp, "static_graph", False):
-        return DDPOptionBlocker("static_graph", "DDP static_graph=True keeps its own bucket order")
     return None
 
 
@@ -74,6 +72,11 @@ def install_reducer(
     together) freeze that layout (`has_rebuilt_bucket_`). Returns False when no cap list can
     reproduce the layout (several dtypes whose buckets need conflicting caps): then DDP's own
     rebuild runs after the first backward, as before.
+
+    `static_graph=True` (mirrors `DistributedDataParallel._set_static_graph`): the new reducer is made static
+    before its layout is frozen (a static reducer rebuilds even with `find_unused_parameters`, after its second
+    backward). Its first synchronising backward must be a static graph's first, as DDP's own reducer's was: the
+    caller arranges it (`ddp.torch_ddp.queue_static_graph_first_backward`).
     """
     new_layout, start = [], 0
     for bucket in layout:
@@ -91,9 +94,14 @@ def install_reducer(
     reducer, logger = _new_reducer(
         ddp, ordered, new_layout, sizes, caps or sizes, sparse, reducer_param_names(ddp, ordered)
     )
-    # With find_unused_parameters the reducer never rebuilds: the layout is already final.
-    frozen = ddp.find_unused_parameters or caps is not None
-    if caps is not None and not ddp.find_unused_parameters:
+    static = bool(getattr(ddp, "static_graph", False))
+    if static:
+        reducer._set_static_graph()
+        logger._set_static_graph()
+    # With find_unused_parameters a dynamic-graph reducer never rebuilds: the layout is already final.
+    rebuilds = static or not ddp.find_unused_parameters
+    frozen = not rebuilds or caps is not None
+    if caps is not None and rebuilds:
         reducer._push_all_rebuilt_params()
         reducer._rebuild_buckets()
     ddp.reducer = reducer
@@ -154,7 +162,7 @@ def _new_reducer(
     names: dict[int, str],
 ) -> tuple[Any, Any]:
     """A `dist.Reducer` over `params` in `bucket_indices` with `ddp`'s options, and its `dist.Logger`
-    (as `DistributedDataParallel._ddp_init_helper` builds them; static_graph is never set here)."""
+    (as `DistributedDataParallel._ddp_init_helper` builds them; static_graph is set by `install_reducer`)."""
     cap, first_cap = _bucket_caps(ddp)
     # batched_grad_copy is a DDP option of torch 2.13 (its Reducer keyword came with it): passed where
     # this DDP has it, so older builds (the GPU machines lent here have 2.11) build the same Reducer.

@@ -31,7 +31,7 @@ from ddp.in_graph.variants import VARIANTS, guard_variant_in
 def in_graph_blocker(ddp: DistributedDataParallel) -> torch_ddp_reducer.DDPOptionBlocker | None:
     """Why `ddp="in_graph"` cannot keep this DDP model's behaviour (None when it can)."""
     blocker = torch_ddp_reducer.reducer_swap_blocker(ddp)
-    if blocker is not None and blocker.option != "static_graph":  # static_graph only orders DDP's own buckets
+    if blocker is not None:
         return blocker
     params, sparse = torch_ddp.reducer_params(ddp)
     if any(sparse):

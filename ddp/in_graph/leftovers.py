@@ -10,10 +10,11 @@ fell back to eager) and parameters with another producer besides their graph
 Algorithm: the leftover list is the same on every rank, because it is derived only from what all
 ranks agreed on (the graphs each step runs, the parameters found with other producers), never
 from rank-local state. Then, as DDP's reducer does:
-  * with `find_unused_parameters=True`, one small all-reduce of a "has a gradient here" flag per
-    leftover (DDP all-reduces the same kind of bitmap every step); a parameter with a gradient on
-    any rank is averaged over all ranks (zeros where a rank had none, and that rank's `.grad` is set
-    too), one with a gradient nowhere keeps `.grad = None`;
+  * with `find_unused_parameters=True` (or `static_graph=True`, whose DDP finds them itself), one
+    small all-reduce of a "has a gradient here" flag per leftover (DDP all-reduces the same kind of
+    bitmap every step); a parameter with a gradient on any rank is averaged over all ranks (zeros
+    where a rank had none, and that rank's `.grad` is set too), one with a gradient nowhere keeps
+    `.grad = None`;
   * without it, a leftover without a gradient is the error DDP raises for an unused parameter;
   * the gradients are averaged in one flat buffer per dtype/device: divide by the world size,
     all-reduce (sum; gloo has no average) -- or, with a 16-bit wire, cast first, as DDP's compress
@@ -54,7 +55,8 @@ class LeftoverReducer:
                 raise RuntimeError(
                     f"parameters {missing[:8]} received no gradient in this backward. DDP with "
                     "find_unused_parameters=False refuses that too (its reducer waits for every parameter); "
-                    "pass find_unused_parameters=True to DDP if some parameters are legitimately unused in a step"
+                    "pass find_unused_parameters=True (or static_graph=True, if the same ones are unused every step) "
+                    "to DDP if some parameters are legitimately unused"
                 )
             used = list(params)
         for key in dict.fromkeys((p.grad.dtype, p.grad.device) for p in used):

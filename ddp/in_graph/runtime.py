@@ -112,8 +112,11 @@ class InGraphReducer:
         """One of `VARIANTS` (ddp/in_graph/variants.py), read by the compiled code: Dynamo guards on it."""
         self.params = list(torch_ddp.reducer_params(ddp)[0])
         self._by_id = {id(p): p for p in self.params}
+        # A static graph's DDP finds the unused parameters itself (in its first backward) and leaves their `.grad`
+        # as find_unused_parameters=True does.
+        find_unused = bool(ddp.find_unused_parameters or getattr(ddp, "static_graph", False))
         self._leftovers = LeftoverReducer(
-            group=self.group, world_size=self.world_size, find_unused=bool(ddp.find_unused_parameters), names=names
+            group=self.group, world_size=self.world_size, find_unused=find_unused, names=names
         )
         self.after = AfterBackward(names)
         """Parameters reduced after the backward instead of inside a graph (outside producers, hooks)."""

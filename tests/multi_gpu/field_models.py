@@ -29,6 +29,14 @@ class Headed(nn.Module):
         return self.head(torch.tanh(self.body(x)))
 
 
+class HeadedWithUnused(Headed):
+    """`Headed` with a layer no forward uses (a spare head): DDP needs find_unused_parameters or a static graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(WIDTH, OUT)
+
+
 class ResidualBlock(nn.Module):
     """x + tanh(fc(x)): the repeated block of `Stacked`."""
 

@@ -150,12 +150,15 @@ def test_reducer_params_flag_sparse_gradients():
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
-@pytest.mark.parametrize("kwargs, words", [({"static_graph": True}, "static_graph"), ({}, None)])
-def test_reducer_swap_blocker_reads_ddp_flags(kwargs, words):
+@pytest.mark.parametrize("static_graph", [True, False])
+def test_reducer_swap_blocker_reads_ddp_flags(static_graph):
     with canary("ddp/torch_ddp_reducer.py:reducer_swap_blocker"):
-        ddp = DDP(nn.Linear(4, 4), **kwargs)
-        blocker = torch_ddp_reducer.reducer_swap_blocker(ddp)
-        assert (blocker is None) if words is None else (blocker.option == words and words in blocker.text)
+        ddp = DDP(nn.Linear(4, 4), static_graph=static_graph)
+        assert torch_ddp_reducer.reducer_swap_blocker(ddp) is None  # static_graph is reproduced (install_reducer)
+        # the flags it reads are DDP's, off by default (DDP's mixed precision needs CUDA streams: not built here)
+        assert ddp._use_python_reducer is False and ddp.mixed_precision is None and not ddp._delay_all_reduce_params
+        ddp._delay_all_reduce_params = [ddp.module.weight]
+        assert torch_ddp_reducer.reducer_swap_blocker(ddp).option == "delayed_all_reduce"
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1 (2.11's DDP has no batched_grad_copy: not passed there).
@@ -243,6 +246,35 @@ def test_install_reducer_gives_ddp_our_buckets_and_keeps_hooks():
             ddp(torch.randn(3, 8)).sum().backward()
         assert seen == [2, 2] * 3
         assert ddp._has_rebuilt_buckets
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_a_static_graph_ddp_gets_a_static_reducer_on_our_buckets():
+    with canary(
+        "ddp/torch_ddp_reducer.py:install_reducer (static_graph) + ddp/torch_ddp.py:queue_static_graph_first_backward"
+    ):
+        ddp = DDP(two_layers().module, static_graph=True)
+        seen: list[int] = []
+
+        def hook(state, bucket):
+            seen.append(len(bucket.parameters()))
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, hook)
+        ddp(torch.randn(3, 8)).sum().backward()  # DDP's own reducer: its static first backward
+        assert seen == [4]
+        params, sparse = torch_ddp.reducer_params(ddp)
+        assert torch_ddp_reducer.install_reducer(ddp, params, sparse, [[2, 3], [0, 1]])
+        assert ddp._get_ddp_logging_data().get("static_graph") == 1, "the new reducer's logger is not static"
+        torch_ddp.queue_static_graph_first_backward(ddp)
+        for _ in range(3):  # the first reduces every bucket at its end, the next ones as they fill
+            ddp(torch.randn(3, 8)).sum().backward()
+            with ddp.no_sync():  # accumulation between them leaves the reducer alone
+                ddp(torch.randn(3, 8)).sum().backward()
+        assert seen == [4, 2, 2, 2, 2, 2, 2]
+        assert ddp._static_graph_delay_allreduce_enqueued is True
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
