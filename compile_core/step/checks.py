@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
+from aot.torch_eager import torch_compile_original
 from compile_core.step.config import TrainStepConfig
 
 
@@ -65,12 +67,38 @@ def check_inputs(
             f"lr_scheduler={type(lr_scheduler).__name__} does not drive this optimizer: "
             "create it from the optimizer passed to train_step"
         )
+    ddp = torch_compile_original(model) or model
+    if isinstance(ddp, DistributedDataParallel) and ddp.static_graph and config.accum_steps > 1:
+        _check_static_graph_accumulation(ddp, config)
     if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError(
             "lr_scheduler=ReduceLROnPlateau steps on a metric (scheduler.step(val_loss)), which train_step does "
             "not have: leave lr_scheduler unset and call scheduler.step(metric) yourself after validation; "
             "train_step reads the learning rate it set at every update"
         )
+
+
+def _check_static_graph_accumulation(ddp: DistributedDataParallel, config: TrainStepConfig) -> None:
+    """Accumulation starts every update with a `no_sync()` micro-batch, and DDP's reducer with `static_graph=True`
+    must synchronise in its first backward (an eager loop that starts so stops at torch's
+    'expect_autograd_hooks_ INTERNAL ASSERT FAILED'): refused where DDP's reducer reduces, which `ddp="in_graph"`
+    leaves idle unless a comm hook it cannot compile makes DDP's reducer run it."""
+    if config.ddp == "in_graph":
+        from ddp.in_graph.policy import reduction_for
+
+        reduction = reduction_for(ddp, config.compile_kwargs.get("reduce_dtype"))
+        if reduction.in_graph:
+            return
+        where = f"ddp='in_graph', where DDP's reducer runs the comm hook {reduction.hook}"
+        fix = "build DDP without static_graph, or use a comm hook the graph compiles (allreduce_hook, fp16/bf16)"
+    else:
+        where = f"ddp={config.ddp!r}, where DDP's reducer reduces"
+        fix = "use ddp='in_graph' (DDP's reducer stays idle there), or build DDP without static_graph"
+    raise ValueError(
+        f"accum_steps={config.accum_steps} with DDP static_graph=True and {where}: every update starts with a "
+        "no_sync() micro-batch, and a static graph's DDP must synchronise in its first backward (torch stops an "
+        f"eager loop that starts so with 'expect_autograd_hooks_ INTERNAL ASSERT FAILED'): {fix}"
+    )
 
 
 def _step_needs_closure(optimizer: torch.optim.Optimizer) -> bool:

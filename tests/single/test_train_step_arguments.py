@@ -100,6 +100,24 @@ def test_an_optimizer_that_steps_through_a_closure_is_rejected_with_the_way_out(
         train_step(model, lbfgs, F.mse_loss, backend=BACKEND)
 
 
+@pytest.mark.parametrize("ddp", ["split", "none", "in_graph_powersgd"])
+def test_accumulation_over_a_static_graph_ddp_reducer_is_rejected_with_the_way_out(no_compile, ddp):
+    """Every update starts with a no_sync() micro-batch, and DDP's static graph must synchronise first: until
+    session 64 the first step failed inside torch ('expect_autograd_hooks_ INTERNAL ASSERT FAILED')."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    model = DDP(tiny_model(), static_graph=True)
+    mode = ddp
+    if ddp == "in_graph_powersgd":
+        mode = "in_graph"
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fix = "DDP's reducer stays idle" if mode != "in_graph" else "a comm hook the graph compiles"
+    with pytest.raises(ValueError, match=rf"accum_steps=2 with DDP static_graph=True .*no_sync\(\).*{fix}"):
+        train_step(model, opt, F.mse_loss, backend=BACKEND, ddp=mode, accum_steps=2)
+
+
 def test_non_scalar_loss_is_rejected():
     model, opt, _ = make_setup("sgd_momentum")
     step = train_step(model, opt, lambda out, y: (out - y) ** 2, backend=BACKEND)
