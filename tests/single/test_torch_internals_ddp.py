@@ -226,19 +226,25 @@ def test_restore_reducer_buckets_gives_a_released_ddp_real_buckets_that_reduce()
         assert all(p.grad is not None for p in params)
 
 
+def record_bucket_sizes(ddp: DDP) -> list[int]:
+    """A comm hook on `ddp` that reduces nothing and lists how many parameters each bucket it sees holds."""
+    seen: list[int] = []
+
+    def hook(state, bucket):
+        seen.append(len(bucket.parameters()))
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    ddp.register_comm_hook(None, hook)
+    return seen
+
+
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_install_reducer_gives_ddp_our_buckets_and_keeps_hooks():
     with canary("ddp/torch_ddp_reducer.py:install_reducer"):
         ddp = two_layers()
-        seen: list[int] = []
-
-        def hook(state, bucket):
-            seen.append(len(bucket.parameters()))
-            fut = torch.futures.Future()
-            fut.set_result(bucket.buffer())
-            return fut
-
-        ddp.register_comm_hook(None, hook)
+        seen = record_bucket_sizes(ddp)
         params, sparse = torch_ddp.reducer_params(ddp)
         layout = [[2, 3], [0, 1]]  # last layer's weight+bias first, as gradients become ready
         assert torch_ddp_reducer.install_reducer(ddp, params, sparse, layout)  # frozen: DDP will not re-cut it
@@ -254,15 +260,7 @@ def test_a_static_graph_ddp_gets_a_static_reducer_on_our_buckets():
         "ddp/torch_ddp_reducer.py:install_reducer (static_graph) + ddp/torch_ddp.py:queue_static_graph_first_backward"
     ):
         ddp = DDP(two_layers().module, static_graph=True)
-        seen: list[int] = []
-
-        def hook(state, bucket):
-            seen.append(len(bucket.parameters()))
-            fut = torch.futures.Future()
-            fut.set_result(bucket.buffer())
-            return fut
-
-        ddp.register_comm_hook(None, hook)
+        seen = record_bucket_sizes(ddp)
         ddp(torch.randn(3, 8)).sum().backward()  # DDP's own reducer: its static first backward
         assert seen == [4]
         params, sparse = torch_ddp.reducer_params(ddp)
