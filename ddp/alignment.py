@@ -44,8 +44,10 @@ preserve: the python reducer, mixed precision, delayed all-reduce params, or a b
 dtypes or devices. With `static_graph=True` the new reducer is static too, and its first backward must be a
 static graph's first (every bucket reduced at its end), as DDP's own reducer's was: a backward it saw before,
 under `no_sync()`, would be counted as part of that one, and no bucket would be ready after it. So there the swap
-waits for the first synchronising forward (DDP's ranks run those in step). DDP itself would rebuild its
-buckets only after its second backward, from the compiled backward's order. Parameters
+waits for the first synchronising forward (DDP's ranks run those in step), that first backward runs over one
+bucket per dtype as DDP's own first did, and our buckets are cut at the next synchronising forward (eager DDP
+cuts its own there too, from the order its second backward made the gradients; left alone, DDP would cut from
+the compiled backward's order). Parameters
 that no graph touched (used eagerly between graph breaks, or unused) go to one trailing bucket so that
 every parameter is still reduced.
 
@@ -205,6 +207,9 @@ class ReducerAlignment:
     """This rank's layout, once posted for the other ranks."""
     synced: bool = False
     """True once a synchronising backward (DDP all-reduced) ended on this rank."""
+    static_cut_after: int | None = None
+    """With `static_graph=True`: the forward whose backward is the new reducer's first (one bucket per dtype, as
+    DDP's own first), our buckets to be cut at the next synchronising forward (`cut_static_layout`)."""
     _forward: int = 0
     _sync_forward: bool = False
 
@@ -229,10 +234,15 @@ class ReducerAlignment:
         """Before DDP's forward number `step + 1` (`step` counts earlier forwards): swap if this rank's first
         synchronising backward has ended (see the Note), else note what kind of forward this is."""
         self._forward = step + 1
+        grad = torch.is_grad_enabled()
+        syncs = grad and self.ddp is not None and self.ddp.require_backward_grad_sync
+        if self.static_cut_after is not None and syncs and self._forward > self.static_cut_after:
+            self.static_cut_after = None
+            with torch.inference_mode(False):
+                torch_ddp_reducer.cut_static_layout(self.ddp)
         if self.status != "pending":
             return
-        grad = torch.is_grad_enabled()
-        if self.synced and (grad and self.ddp.require_backward_grad_sync or not self.ddp.static_graph):
+        if self.synced and (syncs or not self.ddp.static_graph):
             self._align(self._forward)
             return
         if grad and self.layout_forward is None:
@@ -292,14 +302,20 @@ class ReducerAlignment:
             frozen = rebuild_reducer(self.ddp, chosen)
         if self.ddp.static_graph:  # this forward synchronises (`before_forward`)
             torch_ddp.queue_static_graph_first_backward(self.ddp)
+            self.static_cut_after = step if frozen else None
         params, _ = torch_ddp.reducer_params(self.ddp)
         self.buckets = [frozenset(self.names[id(params[i])] for i in b) for b in chosen]
         self.status = "aligned"
         self.detail = f"DDP reducer uses our {len(chosen)} bucket(s) from forward {step}"
+        if self.ddp.static_graph and frozen:
+            self.detail = (
+                f"DDP's reducer, static, has one bucket per dtype in the backward of forward {step} (a static graph's "
+                f"first, as DDP's own was) and our {len(chosen)} bucket(s) from the next synchronising forward"
+            )
         if not frozen:
             why = (
                 "find_unused_parameters keeps DDP from rebuilding"
-                if self.ddp.find_unused_parameters
+                if self.ddp.find_unused_parameters and not self.ddp.static_graph
                 else "dtypes need conflicting caps: DDP re-cuts them by the order gradients become ready after step 2"
             )
             self.detail += f" ({why})"

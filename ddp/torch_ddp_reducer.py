@@ -1,6 +1,6 @@
 """DDP's reducer replaced by one we build, in one place (a home of private torch internals, like
 `ddp/torch_ddp.py`): whether DDP's options let a replacement keep its behaviour (`reducer_swap_blocker`), a
-reducer on our bucket layout (`install_reducer`), an idle one that frees DDP's gradient buckets
+reducer on our bucket layout (`install_reducer`, `cut_static_layout`), an idle one that frees DDP's gradient buckets
 (`release_reducer_buckets`), and one with buckets again (`restore_reducer_buckets`).
 
 Everything is read from torch 2.13's `torch/nn/parallel/distributed.py` (called `distributed.py` below) and
@@ -73,10 +73,14 @@ def install_reducer(
     reproduce the layout (several dtypes whose buckets need conflicting caps): then DDP's own
     rebuild runs after the first backward, as before.
 
-    `static_graph=True` (mirrors `DistributedDataParallel._set_static_graph`): the new reducer is made static
-    before its layout is frozen (a static reducer rebuilds even with `find_unused_parameters`, after its second
-    backward). Its first synchronising backward must be a static graph's first, as DDP's own reducer's was: the
-    caller arranges it (`ddp.torch_ddp.queue_static_graph_first_backward`).
+    `static_graph=True` (mirrors `DistributedDataParallel._set_static_graph`): the new reducer is static, and its
+    first synchronising backward must be a static graph's first, as DDP's own reducer's was (the caller arranges
+    it: `ddp.torch_ddp.queue_static_graph_first_backward`). That backward reduces every bucket at its end, handing a
+    comm hook bucket 0's index and parameters for each of them (`Reducer::delay_all_reduce`), so a hook counting
+    iterations by `bucket.is_last()` (PowerSGD) would miss one. So, as DDP's own first backward does, it runs over
+    one bucket per dtype and device (in `layout`'s order, a sparse gradient alone), and the caller cuts `layout`
+    once that backward is over (`cut_static_layout`, with the caps chosen here). Returns True there too when the
+    caps can reproduce `layout`.
     """
     new_layout, start = [], 0
     for bucket in layout:
@@ -91,17 +95,18 @@ def install_reducer(
             break
     sparse = [expect_sparse[i] for i in order] if expect_sparse else []
     sizes = [_bucket_bytes(ordered, b) for b in new_layout]
-    reducer, logger = _new_reducer(
-        ddp, ordered, new_layout, sizes, caps or sizes, sparse, reducer_param_names(ddp, ordered)
-    )
     static = bool(getattr(ddp, "static_graph", False))
+    first = _one_bucket_per_key(ordered, sparse) if static else new_layout
+    first_sizes = [_bucket_bytes(ordered, b) for b in first] if static else sizes
+    reducer, logger = _new_reducer(
+        ddp, ordered, first, first_sizes, caps or sizes, sparse, reducer_param_names(ddp, ordered)
+    )
     if static:
         reducer._set_static_graph()
         logger._set_static_graph()
     # With find_unused_parameters a dynamic-graph reducer never rebuilds: the layout is already final.
-    rebuilds = static or not ddp.find_unused_parameters
-    frozen = not rebuilds or caps is not None
-    if caps is not None and rebuilds:
+    frozen = (ddp.find_unused_parameters and not static) or caps is not None
+    if caps is not None and not ddp.find_unused_parameters and not static:
         reducer._push_all_rebuilt_params()
         reducer._rebuild_buckets()
     ddp.reducer = reducer
@@ -112,6 +117,27 @@ def install_reducer(
         dist._register_comm_hook(reducer, state, hook)
     ddp._has_rebuilt_buckets = True
     return frozen
+
+
+def cut_static_layout(ddp: DistributedDataParallel) -> bool:
+    """Cut the buckets of a static reducer `install_reducer` put in place to its layout, once its first backward is
+    over (a broadcast from rank 0, as in `install_reducer`: every rank calls this together). False when the caps
+    could not reproduce the layout or the reducer already rebuilt: DDP then rebuilds from the order gradients became
+    ready, after its second backward."""
+    ddp.reducer._push_all_rebuilt_params()
+    return bool(ddp.reducer._rebuild_buckets())
+
+
+def _one_bucket_per_key(params: Sequence[torch.nn.Parameter], sparse: Sequence[bool]) -> list[list[int]]:
+    """Indices of `params` in one bucket per dtype and device, in order; a sparse gradient in a bucket alone."""
+    by_key: dict[tuple, list[int]] = {}
+    alone: list[list[int]] = []
+    for i, p in enumerate(params):
+        if sparse and sparse[i]:
+            alone.append([i])
+        else:
+            by_key.setdefault((p.dtype, p.device), []).append(i)
+    return alone + list(by_key.values())
 
 
 def release_reducer_buckets(ddp: DistributedDataParallel) -> int:

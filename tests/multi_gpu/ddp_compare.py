@@ -294,13 +294,10 @@ def planned_buckets(report: dict) -> list[list[str]]:
     return [b["params"] for g in reversed(report["graphs"]) for b in g["buckets"] if b["params"]]
 
 
-def assert_reduced_once(per_rank: list[dict], *, skip: tuple[int, ...] = ()) -> None:
-    """In every backward (but the steps in `skip`), every parameter DDP should reduce went through exactly one
-    bucket."""
+def assert_reduced_once(per_rank: list[dict]) -> None:
+    """In every backward, every parameter DDP should reduce went through exactly one bucket."""
     for rank, r in enumerate(per_rank):
         for step, buckets in enumerate(r["reduced"]):
-            if step in skip:
-                continue
             counts = collections.Counter(n for _, names in buckets for n in names)
             twice = sorted(n for n, c in counts.items() if c > 1)
             assert not twice, f"rank {rank} step {step}: reduced more than once: {twice}"

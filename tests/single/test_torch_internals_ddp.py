@@ -257,7 +257,8 @@ def test_install_reducer_gives_ddp_our_buckets_and_keeps_hooks():
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_a_static_graph_ddp_gets_a_static_reducer_on_our_buckets():
     with canary(
-        "ddp/torch_ddp_reducer.py:install_reducer (static_graph) + ddp/torch_ddp.py:queue_static_graph_first_backward"
+        "ddp/torch_ddp_reducer.py:install_reducer (static_graph), cut_static_layout + "
+        "ddp/torch_ddp.py:queue_static_graph_first_backward"
     ):
         ddp = DDP(two_layers().module, static_graph=True)
         seen = record_bucket_sizes(ddp)
@@ -267,12 +268,14 @@ def test_a_static_graph_ddp_gets_a_static_reducer_on_our_buckets():
         assert torch_ddp_reducer.install_reducer(ddp, params, sparse, [[2, 3], [0, 1]])
         assert ddp._get_ddp_logging_data().get("static_graph") == 1, "the new reducer's logger is not static"
         torch_ddp.queue_static_graph_first_backward(ddp)
-        for _ in range(3):  # the first reduces every bucket at its end, the next ones as they fill
+        ddp(torch.randn(3, 8)).sum().backward()  # its static first: one bucket, reduced at the end
+        assert ddp._static_graph_delay_allreduce_enqueued is True
+        assert torch_ddp_reducer.cut_static_layout(ddp)
+        for _ in range(3):
             ddp(torch.randn(3, 8)).sum().backward()
             with ddp.no_sync():  # accumulation between them leaves the reducer alone
                 ddp(torch.randn(3, 8)).sum().backward()
-        assert seen == [4, 2, 2, 2, 2, 2, 2]
-        assert ddp._static_graph_delay_allreduce_enqueued is True
+        assert seen == [4, 4, 2, 2, 2, 2, 2, 2]
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
