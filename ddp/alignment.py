@@ -47,9 +47,8 @@ under `no_sync()`, would be counted as part of that one, and no bucket would be 
 waits for the first synchronising forward (DDP's ranks run those in step), that first backward runs over one
 bucket per dtype as DDP's own first did, and our buckets are cut at the next synchronising forward (eager DDP
 cuts its own there too, from the order its second backward made the gradients; left alone, DDP would cut from
-the compiled backward's order). Parameters
-that no graph touched (used eagerly between graph breaks, or unused) go to one trailing bucket so that
-every parameter is still reduced.
+the compiled backward's order). Parameters that no graph touched (used eagerly between graph breaks, or
+unused) go to one trailing bucket so that every parameter is still reduced.
 
 Debugging: `CompiledModel.report()` lists planned buckets and this alignment's state; with a
 `ddp.overlap.OverlapRecorder` attached it also compares them with the buckets DDP really reduced.
