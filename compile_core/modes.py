@@ -310,8 +310,7 @@ class InGraphMode(CompileMode):
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self.ctx.eager():
             self._reducer.after_forward(output)
-            if self.alignment.status == "pending":
-                self.alignment.after_forward(output)
+            self.alignment.after_forward(output)
 
     def before_forward(self) -> None:
         self._reducer.before_forward()  # takes up a comm hook registered since the last forward

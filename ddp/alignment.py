@@ -206,9 +206,11 @@ class ReducerAlignment:
     """This rank's layout, once posted for the other ranks."""
     synced: bool = False
     """True once a synchronising backward (DDP all-reduced) ended on this rank."""
-    static_cut_after: int | None = None
-    """With `static_graph=True`: the forward whose backward is the new reducer's first (one bucket per dtype, as
-    DDP's own first), our buckets to be cut at the next synchronising forward (`cut_static_layout`)."""
+    static_cut: str | None = None
+    """With `static_graph=True`, after the swap: "after first backward" until the new reducer's first backward
+    (over one bucket per dtype, as DDP's own first) ended on this rank, then "due": our buckets are cut at the
+    next synchronising forward (`cut_static_layout`, a broadcast), which every rank runs in step. The swap itself
+    may come at a forward of this rank alone (an evaluation with gradients on rank 0): not the cut."""
     _forward: int = 0
     _sync_forward: bool = False
 
@@ -234,23 +236,25 @@ class ReducerAlignment:
         synchronising backward has ended (see the Note), else note what kind of forward this is."""
         self._forward = step + 1
         grad = torch.is_grad_enabled()
-        syncs = grad and self.ddp is not None and self.ddp.require_backward_grad_sync
-        if self.static_cut_after is not None and syncs and self._forward > self.static_cut_after:
-            self.static_cut_after = None
+        self._sync_forward = grad and self.ddp is not None and bool(self.ddp.require_backward_grad_sync)
+        if self.static_cut == "due" and self._sync_forward:
+            self.static_cut = None
             with torch.inference_mode(False):
                 torch_ddp_reducer.cut_static_layout(self.ddp)
         if self.status != "pending":
             return
-        if self.synced and (syncs or not self.ddp.static_graph):
+        if self.synced and (self._sync_forward or not self.ddp.static_graph):
             self._align(self._forward)
             return
         if grad and self.layout_forward is None:
             self.layout_forward = self._forward
-        self._sync_forward = grad and bool(self.ddp.require_backward_grad_sync)
 
     def after_forward(self, output: Any) -> None:
         """After DDP's forward: post the layout once its forward is done; until a synchronising backward
-        has ended, arm a callback at the end of this forward's backward if it synchronises."""
+        has ended, arm a callback at the end of this forward's backward if it synchronises (and, with a static
+        graph, until the new reducer's first backward has ended)."""
+        if self.static_cut == "after first backward" and self._sync_forward:
+            arm_end_of_backward(output, self._static_first_backward_ended)
         if self.status != "pending":
             return
         if self.posted is None and self._forward == self.layout_forward:
@@ -261,6 +265,10 @@ class ReducerAlignment:
 
     def _backward_synced(self) -> None:
         self.synced = True
+
+    def _static_first_backward_ended(self) -> None:
+        if self.static_cut == "after first backward":
+            self.static_cut = "due"
 
     def _post(self) -> None:
         buckets = planned_buckets(self.layout_graphs())
@@ -301,7 +309,7 @@ class ReducerAlignment:
             frozen = rebuild_reducer(self.ddp, chosen)
         if self.ddp.static_graph:  # this forward synchronises (`before_forward`)
             torch_ddp.queue_static_graph_first_backward(self.ddp)
-            self.static_cut_after = step if frozen else None
+            self.static_cut = "after first backward" if frozen else None
         params, _ = torch_ddp.reducer_params(self.ddp)
         self.buckets = [frozenset(self.names[id(params[i])] for i in b) for b in chosen]
         self.status = "aligned"

@@ -109,6 +109,11 @@ class Loop:
     grad_probe_at: int | None = None
     """At this iteration rank 0 alone runs a forward with gradients and no backward, with DDP's
     `require_backward_grad_sync` off (None: never)."""
+    grad_probe_syncs: bool = False
+    """The probe leaves `require_backward_grad_sync` on: the eager script hangs so, except with `static_graph`,
+    whose DDP's forward has no collective of its own before its buckets are rebuilt."""
+    static_graph: bool = False
+    """DDP built with `static_graph=True` (its first backward must synchronise: use it with `accum=1`)."""
     batch: int = 4
     lr: float = 3e-3
     clip: float | None = 1.0
@@ -195,7 +200,7 @@ def run_loop(
         if loop.grad_probe_at == it and rank == 0:
             # Gradients on, no backward, this rank alone: eager DDP allows it while the forward does not
             # prepare a synchronising backward (with the flag on, the eager script itself hangs).
-            model.require_backward_grad_sync = False
+            model.require_backward_grad_sync = loop.grad_probe_syncs
             out["probe"] = model(*batches.eval())[1].item()
             model.require_backward_grad_sync = True
         for micro in range(loop.accum):
@@ -233,7 +238,7 @@ def fresh(device: torch.device, loop: Loop) -> tuple[nn.Module, torch.optim.Opti
         raw = torch.compile(raw, backend=script_backend)
     elif loop.torch_compiled == "in_place":
         raw.compile(backend=script_backend)
-    return wrap_ddp(raw), opt
+    return wrap_ddp(raw, static_graph=loop.static_graph), opt
 
 
 def compiled_run(rank: int, loop: Loop, how: str, **options: Any) -> dict[str, Any]:

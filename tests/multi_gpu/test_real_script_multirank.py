@@ -27,6 +27,9 @@ INFERENCE = Loop(eval_interval=1, eval_under="inference_mode")
 # the in-backward step runs eagerly, so it is the one that would call the script's own compile
 TORCH_COMPILED = Loop(iters=5, eval_batches=(3, 1), torch_compiled="wrapper", clip=None)
 MODULE_COMPILED = Loop(iters=5, eval_batches=(3, 1), torch_compiled="in_place", clip=None)
+# static_graph: after update 1 rank 0 alone runs a forward with gradients and the sync flag on, no backward (the
+# reducer swap waits for a synchronising forward there, and this one is rank 0's alone)
+STATIC_PROBE = Loop(iters=5, accum=1, static_graph=True, grad_probe_at=1, grad_probe_syncs=True)
 
 SCENARIOS = {
     "split": lambda r: compiled_run(r, EVAL_FIRST, "compile", ddp="split", bucket_cap_mb=0.01),
@@ -46,6 +49,10 @@ SCENARIOS = {
         r, TORCH_COMPILED, "train_step", ddp="in_graph", optimizer_in_backward=True
     ),
     "in_graph_module_compiled": lambda r: compiled_run(r, MODULE_COMPILED, "compile", ddp="in_graph"),
+    "split_static_graph_probe": lambda r: compiled_run(r, STATIC_PROBE, "compile", ddp="split", bucket_cap_mb=0.01),
+    "in_graph_static_graph_probe": lambda r: compiled_run(
+        r, STATIC_PROBE, "compile", ddp="in_graph", bucket_cap_mb=0.01
+    ),
 }
 
 
@@ -134,3 +141,13 @@ def test_a_model_the_script_torch_compiled_before_ddp_is_compiled_by_us_alone(re
         assert compiled == 0, f"{compiled} graphs compiled by the script's backend"
     how = "compiled by module.compile()" if "module" in name else "torch.compile's wrapper of TinyGPT"
     assert any(how in note for note in report["notes"]), report["notes"]
+
+
+@pytest.mark.parametrize("name", ["split_static_graph_probe", "in_graph_static_graph_probe"])
+def test_a_static_graph_script_whose_rank0_probes_with_gradients_alone_trains_like_eager(results, name):
+    """With static_graph=True our reducer is swapped in at a synchronising forward, and our buckets cut (a
+    broadcast) only after its first backward: rank 0's lone forward with gradients after update 1 is a
+    synchronising forward of that rank alone. Until the cut waited for that backward, ddp="split" hung there."""
+    report = _check(results, name, local_grads=False)
+    if name.startswith("split"):
+        assert report["alignment"]["status"] == "aligned", report["alignment"]
