@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from aot.torch_eager import torch_compile_original
 from compile_core.step.config import TrainStepConfig
+from ddp.in_graph.policy import reduction_for
 
 
 def check_inputs(
@@ -84,8 +85,6 @@ def _check_static_graph_accumulation(ddp: DistributedDataParallel, config: Train
     'expect_autograd_hooks_ INTERNAL ASSERT FAILED'): refused where DDP's reducer reduces, which `ddp="in_graph"`
     leaves idle unless a comm hook it cannot compile makes DDP's reducer run it."""
     if config.ddp == "in_graph":
-        from ddp.in_graph.policy import reduction_for
-
         reduction = reduction_for(ddp, config.compile_kwargs.get("reduce_dtype"))
         if reduction.in_graph:
             return
