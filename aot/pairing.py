@@ -146,3 +146,13 @@ def nop_compiler(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]
     from functorch.compile import make_boxed_func
 
     return make_boxed_func(gm.forward)
+
+
+def nop_forward_compiler(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    """`nop_compiler` for a forward whose backward is a `nop_compiler` too: its backward may then run
+    with `retain_graph=True`, as under `torch.compile(backend="aot_eager")` (nothing reuses the saved
+    tensors' memory; aot/torch_dynamo.py:declare_nothing_donated)."""
+    from aot.torch_dynamo import declare_nothing_donated
+
+    declare_nothing_donated()
+    return nop_compiler(gm, example_inputs)

@@ -340,6 +340,24 @@ def non_lazy_backward() -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
 
 
+def declare_nothing_donated() -> None:
+    """Tell AOTAutograd that the backward of the graph now being compiled overwrites no saved tensor.
+
+    For a forward compiler whose backward runs the graph as it is (aot_eager). AOTAutograd lists the
+    saved activations that alias no input or output (`fw_metadata.bw_donated_idxs`, filled before the
+    compilers run, `_aot_autograd/graph_compile.py`) so that Inductor may reuse their memory, and then
+    refuses any backward with `retain_graph=True` (`runtime_wrappers.py`). Lazily compiled, torch leaves
+    that list empty when the first backward retains the graph; ours compile with the forward
+    (`non_lazy_backward`), so a script whose backward retains the graph failed under aot_eager where
+    `torch.compile` runs it. A compiler that reuses no buffer loses nothing by declaring none.
+    """
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    if context is not None and getattr(context, "fw_metadata", None) is not None:
+        context.fw_metadata.bw_donated_idxs = []
+
+
 def aot_autograd_backend(**kwargs: Any) -> Callable[..., Any]:
     """A Dynamo backend running AOTAutograd with the given compilers (`_dynamo/backends/common.py`)."""
     from torch._dynamo.backends.common import aot_autograd

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
-from aot import GraphPair, aot_compile, nop_compiler
+from aot import GraphPair, aot_compile, nop_compiler, nop_forward_compiler
 from aot.structure import reads_tensor_values
 from aot.torch_dynamo import RestartAnalysis, non_lazy_backward
 from aot.torch_dynamo_cache import CacheOutcome, aot_cache_off, watch_caches
@@ -122,7 +122,7 @@ class PieceCompiler:
                 compiled = aot_compile(
                     gm,
                     example_inputs,
-                    fw_compiler=nop_compiler,
+                    fw_compiler=nop_forward_compiler,
                     bw_compiler=nop_compiler,
                     pair=pair,
                     partition_fn=partitioner,

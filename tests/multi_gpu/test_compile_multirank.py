@@ -293,3 +293,46 @@ def test_a_gan_with_two_ddp_models_trains_like_eager(mode):
         assert (r["ref"]["D.0.weight"] - r["initial"]).abs().max() > 1e-3, f"rank {rank}: training did not move D"
     for name, p in results[0]["params"].items():
         assert torch.equal(p, results[1]["params"][name]), f"{name} differs between ranks"
+
+
+def _retaining_accumulation_steps(ddp: nn.Module, rank: int, steps: int = 3) -> None:
+    """Two micro-batches per update; in the `no_sync()` one each of two losses back-propagates on its own
+    through one forward (`retain_graph=True`), the synchronising one back-propagates their sum."""
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(200 + rank)
+    for _ in range(steps):
+        with ddp.no_sync():
+            out = ddp(to_rank_device(torch.randn(4, 16, generator=gen) + rank))
+            out.pow(2).mean().backward(retain_graph=True)
+            out.abs().mean().backward()
+        out = ddp(to_rank_device(torch.randn(4, 16, generator=gen)))
+        (out.pow(2).mean() + out.abs().mean()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def train_retaining_both(rank: int, world_size: int, mode: str):
+    import compile_core
+
+    torch.manual_seed(0)
+    model = to_rank_device(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)))
+    ref = copy.deepcopy(model)
+    # two buckets, [the last two layers] and [the first]: split's second piece keeps an activation of its own
+    ours = compile_core.compile(wrap_ddp(model, bucket_cap_mb=0.003), backend="aot_eager", ddp=mode)
+    _retaining_accumulation_steps(ours, rank)
+    _retaining_accumulation_steps(wrap_ddp(ref, bucket_cap_mb=0.003), rank)
+    return {"params": _named(model), "ref": _named(ref), "pieces": [g.pieces for g in ours.report().graphs]}
+
+
+@pytest.mark.parametrize("mode", ["split", "in_graph"])
+def test_accumulation_whose_losses_back_propagate_one_by_one_trains_like_eager(mode):
+    """Until session 65 the retaining backward failed in our pieces (AOTAutograd's "compiled with non-empty
+    donated buffers"), where `torch.compile(ddp)` with aot_eager runs it."""
+    results = run_ranks(train_retaining_both, mode, world_size=2, timeout=200)
+    for rank, r in enumerate(results):
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, r["ref"][name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+        # in_graph compiles the no_sync() forward and the synchronising one each as one graph
+        assert r["pieces"] == ([2] if mode == "split" else [1, 1]), r["pieces"]
+    for name, p in results[0]["params"].items():
+        assert torch.equal(p, results[1]["params"][name]), f"{name} differs between ranks"

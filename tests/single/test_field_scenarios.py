@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+import compile_core
 from tests.single.ddp_helpers import run_against_eager
 
 pytestmark = pytest.mark.usefixtures("pg")
@@ -170,3 +172,43 @@ def test_eval_after_training_keeps_the_aligned_buckets():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)  # the trained eager DDP model's output
     assert [g.pieces for g in report.graphs] == [2, 2]  # the no-grad graph, split the same way
     assert report.notes == []
+
+
+def _two_losses_retaining_the_graph(model: nn.Module, params: list, steps: int = 3) -> None:
+    """A multi-task loop: each loss back-propagates on its own through one forward (`retain_graph=True`)."""
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    for step in range(steps):
+        out = model(x16(step))
+        out.pow(2).mean().backward(retain_graph=True)
+        out.abs().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("wrap", ["plain", "ddp_split", "ddp_in_graph"])
+def test_a_backward_that_retains_the_graph_runs_as_under_torch_compile(wrap):
+    """`torch.compile(backend="aot_eager")` compiles each backward at the first backward and, when that one
+    retains the graph, donates no saved tensor; ours compile the backward with the forward, and until
+    session 65 AOTAutograd refused the retaining backward ("compiled with non-empty donated buffers")."""
+    make = lambda: nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))  # noqa: E731
+    torch.manual_seed(0)
+    ours, ref = make(), make()
+    ref.load_state_dict(ours.state_dict())
+    if wrap == "plain":
+        model = compile_core.compile(ours, backend="aot_eager")
+        eager = ref
+    else:
+        # world size 1: DDP reduces nothing across ranks, and its reducer (split) or our in-graph all-reduce
+        # (in_graph) still runs once per backward; the 2-rank case is in tests/multi_gpu/test_compile_multirank.py
+        # two buckets, [the last two layers] and [the first]: split's second piece keeps an activation of its
+        # own for the backward
+        model = compile_core.compile(DDP(ours, bucket_cap_mb=0.003), backend="aot_eager", ddp=wrap[4:])
+        eager = DDP(ref, bucket_cap_mb=0.003)
+    initial = ours[0].weight.detach().clone()
+    _two_losses_retaining_the_graph(model, list(ours.parameters()))
+    _two_losses_retaining_the_graph(eager, list(ref.parameters()))
+    assert not torch.equal(ours[0].weight, initial), "nothing trained"
+    if wrap == "ddp_split":
+        assert [g.pieces for g in model.report().graphs] == [2]
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

@@ -318,6 +318,40 @@ def test_non_lazy_backward_compiles_the_backward_with_the_forward():
         assert compiled == ["fw", "bw"]  # before any backward ran
 
 
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_backward_compiled_with_its_forward_retains_the_graph_only_when_nothing_is_declared_donated(declared):
+    """AOTAutograd still marks the saved activations of a graph compiled with its backward as donated
+    (then a retaining backward is refused), and the forward compiler can still take that back."""
+    from aot import GraphPair, aot_compile, nop_compiler
+
+    def forward_compiler(gm, example_inputs):
+        if declared:
+            torch_dynamo.declare_nothing_donated()
+        return nop_compiler(gm, example_inputs)
+
+    def backend(gm, example_inputs):
+        with torch_dynamo.non_lazy_backward():
+            return aot_compile(
+                gm, example_inputs, fw_compiler=forward_compiler, bw_compiler=nop_compiler, pair=GraphPair(name="g")
+            )
+
+    with canary("aot/torch_dynamo.py:declare_nothing_donated"):
+        w, x = torch.randn(4, 4, requires_grad=True), torch.randn(2, 4)
+        out = torch.compile(lambda x: torch.tanh(x @ w) @ w, backend=backend)(x)
+        if declared:
+            out.sum().backward(retain_graph=True)
+            out.pow(2).sum().backward()
+            w2 = w.detach().clone().requires_grad_(True)
+            eager = torch.tanh(x @ w2) @ w2
+            eager.sum().backward(retain_graph=True)
+            eager.pow(2).sum().backward()
+            torch.testing.assert_close(w.grad, w2.grad)
+        else:
+            with pytest.raises(RuntimeError, match="donated buffers"):
+                out.sum().backward(retain_graph=True)
+
+
 def _inductor_recording_cache_outcomes(outcomes: list):
     """A backend that compiles with Inductor and appends each compile's cache outcome to `outcomes`."""
 
