@@ -128,7 +128,7 @@ def aot_compile(
     """
     from functorch.compile import min_cut_rematerialization_partition
 
-    from aot.torch_dynamo import aot_autograd_backend
+    from aot.torch_aot import aot_autograd_backend
 
     forward, backward = recording_compilers(pair, fw_compiler, bw_compiler)
     backend = aot_autograd_backend(
@@ -151,8 +151,8 @@ def nop_compiler(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]
 def nop_forward_compiler(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
     """`nop_compiler` for a forward whose backward is a `nop_compiler` too: its backward may then run
     with `retain_graph=True`, as under `torch.compile(backend="aot_eager")` (nothing reuses the saved
-    tensors' memory; aot/torch_dynamo.py:declare_nothing_donated)."""
-    from aot.torch_dynamo import declare_nothing_donated
+    tensors' memory; aot/torch_aot.py:declare_nothing_donated)."""
+    from aot.torch_aot import declare_nothing_donated
 
     declare_nothing_donated()
     return nop_compiler(gm, example_inputs)

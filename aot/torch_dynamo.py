@@ -1,6 +1,7 @@
-"""Every private piece of Dynamo and AOTAutograd this project relies on, in one place: how a function is
-compiled (the guard hook, backends, AOTAutograd's switches), what a compile raised and broke on, fake modes,
-and what this torch offers of them and of the graph internals (`capabilities`, `blocker`).
+"""Every private piece of Dynamo this project relies on, in one place: how a function is compiled (the guard
+hook, backends by name), what a compile raised and broke on, and what this torch offers of Dynamo, AOTAutograd
+and the graph internals (`capabilities`, `blocker`). AOTAutograd's switches and fake modes are in
+`aot/torch_aot.py`.
 
 The layers above (`ddp`, `compile_core`) reach Dynamo's and AOTAutograd's internals only through
 these functions and those of the other `aot/torch_*.py` homes. Each says which torch 2.13 file it mirrors;
@@ -20,11 +21,12 @@ import functools
 import inspect
 import types
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
+from aot.torch_aot import aot_autograd_backend, outside_any_compile
 from aot.torch_dynamo_cache import AotCache, CacheOutcome, watch_caches  # noqa: F401 - the caches' home, re-exported
 
 RestartAnalysis = torch._dynamo.exc.RestartAnalysis
@@ -275,117 +277,14 @@ def break_counters() -> dict[str, int]:
     return {**counters["unimplemented"], **counters["graph_break"]}
 
 
-def fake_mode_of(example_inputs: list) -> Any:
-    """The FakeTensorMode Dynamo traced `example_inputs` with, or a new one (`_dynamo/utils.py`)."""
-    return traced_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
-
-
-def static_example(fake_mode: Any, tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` as an example input added beside Dynamo's (`fake_mode`: theirs, from `detect_fake_mode`, or
-    None): a fake tensor of that mode with static shapes.
-
-    AOTAutograd fakeifies a real example with a fresh size symbol per dimension and no source
-    (`_aot_autograd/frontend_utils.py: process_inputs`); a guard on such a symbol (the bound of an index
-    into it) then fails when Dynamo builds its guards ("sources must not be empty for symbol"). An added
-    input has the same shape at every call, so a static fake is also the truth."""
-    if fake_mode is None or isinstance(tensor, torch._subclasses.FakeTensor):
-        return tensor
-    return fake_mode.from_tensor(tensor, static_shapes=True)
-
-
-def traced_fake_mode(example_inputs: list) -> Any:
-    """The FakeTensorMode Dynamo traced `example_inputs` with, or None (real inputs: no trace)."""
-    from torch._dynamo.utils import detect_fake_mode
-
-    return detect_fake_mode(example_inputs)
-
-
-@contextlib.contextmanager
-def static_tracing() -> Iterator[Callable[[list], list]]:
-    """A tracing context for compiling a captured graph again after Dynamo's call returned, on real inputs
-    of fixed shapes; yields `fakeify(inputs)`: the compile's example inputs, static fakes of its mode.
-
-    Mirrors what Dynamo sets up around a backend (`torch._guards.tracing(TracingContext(fake_mode))`,
-    `_dynamo/output_graph.py`) with a FakeTensorMode of its own that has a ShapeEnv but no symbols:
-    AOTAutograd and Inductor bypass their caches without a ShapeEnv ("No shape env"), and would give each
-    real input a fresh size symbol per dimension with one (`_aot_autograd/frontend_utils.py:
-    process_inputs`), which static fakes do not get."""
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-
-    def fakeify(inputs: list) -> list:
-        return [static_example(mode, x) if isinstance(x, torch.Tensor) else x for x in inputs]
-
-    with tracing(TracingContext(mode)):
-        yield fakeify
-
-
 def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:
     """Dynamo's guard against user saved-tensor hooks while a backend traces (`_dynamo/utils.py`)."""
     return torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()
 
 
-def non_lazy_backward() -> contextlib.AbstractContextManager:
-    """AOTAutograd compiles each backward right after its forward, not at the first backward.
-
-    Mirrors `torch._functorch.config.force_non_lazy_backward_lowering` (`_functorch/config.py`,
-    read in `_aot_autograd/graph_compile.py`). With it, a graph's cache entry is complete (and
-    saved) as soon as its forward is compiled, and a compiled graph needs no per-graph forward
-    metadata from the tracing context later: one compiled graph can serve several identical
-    pieces, and a rank can load what another rank compiled before any backward runs.
-    """
-    return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
-
-
-def declare_nothing_donated() -> None:
-    """Tell AOTAutograd that the backward of the graph now being compiled overwrites no saved tensor.
-
-    For a forward compiler whose backward runs the graph as it is (aot_eager). AOTAutograd lists the
-    saved activations that alias no input or output (`fw_metadata.bw_donated_idxs`, filled before the
-    compilers run, `_aot_autograd/graph_compile.py`) so that Inductor may reuse their memory, and then
-    refuses any backward with `retain_graph=True` (`runtime_wrappers.py`). Lazily compiled, torch leaves
-    that list empty when the first backward retains the graph; ours compile with the forward
-    (`non_lazy_backward`), so a script whose backward retains the graph failed under aot_eager where
-    `torch.compile` runs it. A compiler that reuses no buffer loses nothing by declaring none.
-    """
-    from torch._guards import TracingContext
-
-    context = TracingContext.try_get()
-    if context is not None and getattr(context, "fw_metadata", None) is not None:
-        context.fw_metadata.bw_donated_idxs = []
-
-
-def aot_autograd_backend(**kwargs: Any) -> Callable[..., Any]:
-    """A Dynamo backend running AOTAutograd with the given compilers (`_dynamo/backends/common.py`)."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    return aot_autograd(**kwargs)
-
-
-def is_fake(x: Any) -> bool:
-    """True for a FakeTensor (`torch/_subclasses/fake_tensor.py`)."""
-    return isinstance(x, torch._subclasses.FakeTensor)
-
-
 def pytorch_ddp_optimizer() -> contextlib.AbstractContextManager:
     """Dynamo config under which PyTorch's own DDPOptimizer splits DDP graphs (`_dynamo/config.py`)."""
     return torch._dynamo.config.patch(optimize_ddp="ddp_optimizer")
-
-
-@contextlib.contextmanager
-def outside_any_compile() -> Iterator[None]:
-    """Run as if no compile were in progress: no tracing context (`torch._guards.tracing(None)`) and no
-    fake tensor mode (`unset_fake_temporarily`, `torch/_subclasses/fake_tensor.py`). For work a rank does
-    while it waits inside a backend: tensors it makes there would otherwise be that compile's fake
-    tensors, and a trace would share that compile's ShapeEnv."""
-    from torch._guards import tracing
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with tracing(None), unset_fake_temporarily():
-        yield
 
 
 def capture_functional(

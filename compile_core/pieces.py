@@ -17,7 +17,8 @@ import torch.fx as fx
 
 from aot import GraphPair, aot_compile, nop_compiler, nop_forward_compiler
 from aot.structure import reads_tensor_values
-from aot.torch_dynamo import RestartAnalysis, non_lazy_backward
+from aot.torch_aot import non_lazy_backward
+from aot.torch_dynamo import RestartAnalysis
 from aot.torch_dynamo_cache import CacheOutcome, aot_cache_off, watch_caches
 from aot.torch_graphs import inline_nested_regions
 from compile_core.config import CompileConfig

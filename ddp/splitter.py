@@ -45,7 +45,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from aot.torch_dynamo import fake_mode_of, is_fake, saved_tensors_hooks_disabled
+from aot.torch_aot import fake_mode_of, is_fake
+from aot.torch_dynamo import saved_tensors_hooks_disabled
 from ddp.bucketing import BucketPlan, ParamInfo, plan_buckets, resolve_caps
 from ddp.bucketing.repeats import repeated_units
 

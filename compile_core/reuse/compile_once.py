@@ -29,7 +29,7 @@ Algorithm, for a batch of graphs (the pieces of one split graph, or one whole gr
      The key includes the inputs' devices with their index: Inductor's own keys do.
   4. Caches. Pieces compile without Dynamo's "fakify first call" (which makes AOTAutograd bypass its
      cache; the splitter propagates metadata itself) and with the backward compiled together with
-     the forward (aot/torch_dynamo.py:non_lazy_backward), so the cache entry of every piece, forward
+     the forward (aot/torch_aot.py:non_lazy_backward), so the cache entry of every piece, forward
      and backward, is complete and saved during the first forward. A second run of the same job
      (same cache directory) takes every piece from the AOTAutograd cache.
   5. Report. Each compile is one `PieceRecord`: reused from which piece, cache outcome

@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from aot.torch_dynamo import outside_any_compile
+from aot.torch_aot import outside_any_compile
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from typing import Any, Callable, ContextManager, Iterable, Mapping, Protocol, S
 import torch
 import torch.fx as fx
 
-from aot.torch_dynamo import saved_tensors_hooks_disabled, static_tracing
+from aot.torch_aot import static_tracing
+from aot.torch_dynamo import saved_tensors_hooks_disabled
 from aot.torch_graphs import inline_nested_regions, with_extra_inputs
 from ddp import torch_ddp
 from ddp.bucketing.grad_buckets import GradBucketPlan

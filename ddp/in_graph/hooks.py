@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 import torch.fx as fx
 
-from aot.torch_dynamo import static_example, traced_fake_mode
+from aot.torch_aot import static_example, traced_fake_mode
 from ddp.bucketing.grad_buckets import GradBucketPlan
 
 # -- compile time ------------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ class GraphInputs:
         of_run: bool = False,
     ) -> int:
         """Append one input (`example` to compile with, `make` for every run); returns its index. The
-        example is compiled with static shapes (`aot.torch_dynamo.static_example`: a graph may index it).
+        example is compiled with static shapes (`aot.torch_aot.static_example`: a graph may index it).
         `of_run`: `make` is called with the run's own inputs (a graph Dynamo runs for the parameters of
         several modules takes what belongs to this run's).
 

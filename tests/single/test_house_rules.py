@@ -17,6 +17,7 @@ HOMES = frozenset(
         "ddp/torch_ddp.py",
         "ddp/torch_ddp_reducer.py",
         "aot/torch_dynamo.py",
+        "aot/torch_aot.py",
         "aot/torch_graphs.py",
         "aot/torch_eager.py",
         "aot/torch_dynamo_cache.py",

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from aot import torch_dynamo, torch_graphs
+from aot import torch_aot, torch_dynamo, torch_graphs
 from tests.single.torch_internals_helpers import canary
 
 pytestmark = pytest.mark.usefixtures("pg")
@@ -29,7 +29,7 @@ def _partitioned(fn, *inputs, dynamic=None):
         seen["fw"], seen["bw"] = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         return seen["fw"], seen["bw"]
 
-    backend = torch_dynamo.aot_autograd_backend(
+    backend = torch_aot.aot_autograd_backend(
         fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward, partition_fn=partition
     )
     torch.compile(fn, backend=backend, dynamic=dynamic)(*inputs).sum().backward()
@@ -86,7 +86,7 @@ def test_an_input_saved_unchecked_reaches_the_backward_after_an_in_place_write(v
             bw.recompile()
             return fw, bw
 
-        backend = torch_dynamo.aot_autograd_backend(
+        backend = torch_aot.aot_autograd_backend(
             fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward, partition_fn=partition
         )
         out = torch.compile(lambda x: (x + w).square().sum(), backend=backend)(p)  # saves x + w, not x
@@ -161,7 +161,7 @@ def test_extra_inputs_leave_dynamos_graph_alone():
             extended = torch_graphs.with_extra_inputs(gm, ["extra"])
             seen["placeholders"] = [n.name for n in extended.graph.nodes if n.op == "placeholder"]
             seen["original"] = len([n for n in gm.graph.nodes if n.op == "placeholder"])
-            compiled = torch_dynamo.aot_autograd_backend(fw_compiler=lambda g, i: g.forward)(
+            compiled = torch_aot.aot_autograd_backend(fw_compiler=lambda g, i: g.forward)(
                 extended, [*example_inputs, torch.zeros(1)]
             )
             return lambda *args: compiled(*args, torch.zeros(1))
@@ -186,7 +186,7 @@ def test_an_extra_input_at_a_fixed_address_is_static_for_cuda_graphs():
 
         def backend(gm, example_inputs):
             extended = torch_graphs.with_extra_inputs(gm, ["state", "table"], fixed_address=[0])
-            compiled = torch_dynamo.aot_autograd_backend(fw_compiler=fw_compiler)(
+            compiled = torch_aot.aot_autograd_backend(fw_compiler=fw_compiler)(
                 extended, [*example_inputs, torch.zeros(3), torch.zeros(2)]
             )
             return lambda *args: compiled(*args, torch.zeros(3), torch.zeros(2))
@@ -287,7 +287,7 @@ def test_region_bodies_reach_the_partition_step_without_input_descriptors():
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         torch._dynamo.reset()
-        backend = torch_dynamo.aot_autograd_backend(
+        backend = torch_aot.aot_autograd_backend(
             fw_compiler=nop_compiler, bw_compiler=nop_compiler, partition_fn=partition
         )
         torch.compile(Regioned(), backend=backend)(torch.randn(4, 64)).sum().backward()

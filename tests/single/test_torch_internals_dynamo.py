@@ -1,5 +1,6 @@
-"""Canaries of aot/torch_dynamo.py, aot/torch_eager.py and aot/torch_dynamo_cache.py: Dynamo's hooks, counters,
-errors and fake modes, a module's compiled call, the caches' outcomes (see tests/single/torch_internals_helpers.py)."""
+"""Canaries of aot/torch_dynamo.py, aot/torch_eager.py, aot/torch_dynamo_cache.py and aot/torch_aot.py: Dynamo's
+hooks, counters and errors, a module's compiled call, the caches' outcomes, AOTAutograd's switches and fake modes
+(see tests/single/torch_internals_helpers.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from aot import torch_dynamo, torch_eager
+from aot import torch_aot, torch_dynamo, torch_eager
 from inductor import torch_inductor
 from tests.single.torch_internals_helpers import canary
 
@@ -199,20 +200,6 @@ def _graph_break_fn(x):
 
 
 # Canary on torch 2.11.0, 2.13.0, 2.14.1.
-def test_outside_any_compile_makes_real_tensors_while_a_compile_is_in_progress():
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    in_progress = FakeTensorMode()
-    with canary("aot/torch_dynamo.py:outside_any_compile"):
-        with tracing(TracingContext(in_progress)), in_progress:
-            assert isinstance(torch.zeros(2), FakeTensor)  # what a rank waiting inside a backend would make
-            with torch_dynamo.outside_any_compile():
-                assert not isinstance(torch.zeros(2), FakeTensor) and TracingContext.try_get() is None
-            assert TracingContext.try_get() is not None and isinstance(torch.zeros(2), FakeTensor)
-
-
-# Canary on torch 2.11.0, 2.13.0, 2.14.1.
 def test_graph_break_is_readable_from_the_graph_and_the_counters():
     with canary("aot/torch_dynamo.py:graph_break_of/break_counters"):
         breaks = []
@@ -226,130 +213,6 @@ def test_graph_break_is_readable_from_the_graph_and_the_counters():
         found = [b for b in breaks if b is not None]
         assert found and "test_torch_internals_dynamo.py:" in found[0]["where"], breaks
         assert sum(torch_dynamo.break_counters().values()) > before
-
-
-# Canary on torch 2.11.0, 2.13.0, 2.14.1.
-def test_fake_mode_and_hooks_while_a_backend_runs():
-    with canary("aot/torch_dynamo.py:fake_mode_of/is_fake/saved_tensors_hooks_disabled/aot_autograd_backend"):
-        seen = {}
-
-        def backend(gm, example_inputs):
-            fake = torch_dynamo.fake_mode_of(list(example_inputs))
-            seen["fake"] = torch_dynamo.is_fake(fake.from_tensor(torch.randn(2)))
-            with torch_dynamo.saved_tensors_hooks_disabled():
-                return torch_dynamo.aot_autograd_backend(
-                    fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward
-                )(gm, example_inputs)
-
-        w = torch.randn(4, requires_grad=True)
-        torch.compile(lambda x: (x * w).sum(), backend=backend)(torch.randn(4))
-        assert seen == {"fake": True}
-
-
-# Canary on torch 2.11.0, 2.13.0, 2.14.1.
-def test_an_added_example_input_is_a_static_fake_of_dynamos_mode():
-    """AOTAutograd fakeifies a real example with a sourceless size symbol per dimension; an input we add
-    beside Dynamo's is handed over as a fake of Dynamo's mode with plain int sizes instead."""
-    with canary("aot/torch_dynamo.py:traced_fake_mode/static_example"):
-        seen = {}
-
-        def backend(gm, example_inputs):
-            mode = torch_dynamo.traced_fake_mode(list(example_inputs))
-            added = torch_dynamo.static_example(mode, torch.zeros(148, 7))
-            seen["same mode"] = added.fake_mode is mode
-            seen["sizes"] = [type(d).__name__ for d in added.shape]
-            seen["kept"] = torch_dynamo.static_example(mode, added) is added
-            return gm.forward
-
-        torch.compile(lambda x: x * 2, backend=backend, dynamic=True)(torch.randn(4))
-        assert seen == {"same mode": True, "sizes": ["int", "int"], "kept": True}, seen
-        assert torch_dynamo.traced_fake_mode([torch.randn(2)]) is None
-        real = torch.randn(2)
-        assert torch_dynamo.static_example(None, real) is real
-
-
-# Canary on torch 2.11.0, 2.13.0, 2.14.1.
-def test_static_tracing_compiles_a_captured_graph_again_on_static_fakes_with_a_shape_env():
-    """ddp/in_graph/dispatch.py compiles a graph Dynamo captured once more, after Dynamo's call: inside
-    `static_tracing` the inputs become fakes of one mode with a ShapeEnv and plain int sizes, AOTAutograd
-    traces them (no symbol, no Dynamo), and the result computes what the graph does."""
-    with canary("aot/torch_dynamo.py:static_tracing"):
-        captured = {}
-
-        def backend(gm, example_inputs):
-            captured["gm"] = gm
-            return gm.forward
-
-        x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
-        torch.compile(lambda x, w: torch.tanh(x @ w).sum(), backend=backend)(x, w)
-        with torch_dynamo.static_tracing() as fakeify:
-            fakes = fakeify([x, w])
-            mode = torch_dynamo.traced_fake_mode(fakes)
-            assert mode is not None and mode.shape_env is not None
-            assert all(f.fake_mode is mode for f in fakes)
-            assert [type(d).__name__ for f in fakes for d in f.shape] == ["int"] * 4
-            compiled = torch_dynamo.aot_autograd_backend(
-                fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward
-            )(captured["gm"], fakes)
-            env = mode.shape_env
-            symbols = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # 2.14: renamed
-            assert not symbols, f"the compile made size symbols: {symbols}"
-        (out,) = compiled(x, w)
-        out.backward()
-        w2 = w.detach().clone().requires_grad_(True)
-        torch.tanh(x @ w2).sum().backward()
-        torch.testing.assert_close(w.grad, w2.grad)
-
-
-# Canary on torch 2.11.0, 2.13.0, 2.14.1.
-def test_non_lazy_backward_compiles_the_backward_with_the_forward():
-    with canary("aot/torch_dynamo.py:non_lazy_backward"):
-        compiled = []
-
-        def backend(gm, example_inputs):
-            with torch_dynamo.non_lazy_backward():
-                return torch_dynamo.aot_autograd_backend(
-                    fw_compiler=lambda g, i: compiled.append("fw") or g.forward,
-                    bw_compiler=lambda g, i: compiled.append("bw") or g.forward,
-                )(gm, example_inputs)
-
-        w = torch.randn(4, requires_grad=True)
-        torch.compile(lambda x: (x * w).sin().sum(), backend=backend)(torch.randn(4))
-        assert compiled == ["fw", "bw"]  # before any backward ran
-
-
-# Canary on torch 2.11.0, 2.13.0, 2.14.1.
-@pytest.mark.parametrize("declared", [False, True])
-def test_a_backward_compiled_with_its_forward_retains_the_graph_only_when_nothing_is_declared_donated(declared):
-    """AOTAutograd still marks the saved activations of a graph compiled with its backward as donated
-    (then a retaining backward is refused), and the forward compiler can still take that back."""
-    from aot import GraphPair, aot_compile, nop_compiler
-
-    def forward_compiler(gm, example_inputs):
-        if declared:
-            torch_dynamo.declare_nothing_donated()
-        return nop_compiler(gm, example_inputs)
-
-    def backend(gm, example_inputs):
-        with torch_dynamo.non_lazy_backward():
-            return aot_compile(
-                gm, example_inputs, fw_compiler=forward_compiler, bw_compiler=nop_compiler, pair=GraphPair(name="g")
-            )
-
-    with canary("aot/torch_dynamo.py:declare_nothing_donated"):
-        w, x = torch.randn(4, 4, requires_grad=True), torch.randn(2, 4)
-        out = torch.compile(lambda x: torch.tanh(x @ w) @ w, backend=backend)(x)
-        if declared:
-            out.sum().backward(retain_graph=True)
-            out.pow(2).sum().backward()
-            w2 = w.detach().clone().requires_grad_(True)
-            eager = torch.tanh(x @ w2) @ w2
-            eager.sum().backward(retain_graph=True)
-            eager.pow(2).sum().backward()
-            torch.testing.assert_close(w.grad, w2.grad)
-        else:
-            with pytest.raises(RuntimeError, match="donated buffers"):
-                out.sum().backward(retain_graph=True)
 
 
 def _inductor_recording_cache_outcomes(outcomes: list):
@@ -613,3 +476,146 @@ def test_an_error_raised_in_a_backend_is_found_inside_dynamos_wrapper():
         assert isinstance(torch_dynamo.root_cause(caught.value, _OwnError), _OwnError)
         chain = torch_dynamo.cause_chain(caught.value)
         assert chain[0] is caught.value and isinstance(chain[-1], _OwnError), chain
+
+
+# -- aot/torch_aot.py -------------------------------------------------------------------------------
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_outside_any_compile_makes_real_tensors_while_a_compile_is_in_progress():
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    in_progress = FakeTensorMode()
+    with canary("aot/torch_aot.py:outside_any_compile"):
+        with tracing(TracingContext(in_progress)), in_progress:
+            assert isinstance(torch.zeros(2), FakeTensor)  # what a rank waiting inside a backend would make
+            with torch_aot.outside_any_compile():
+                assert not isinstance(torch.zeros(2), FakeTensor) and TracingContext.try_get() is None
+            assert TracingContext.try_get() is not None and isinstance(torch.zeros(2), FakeTensor)
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_fake_mode_and_hooks_while_a_backend_runs():
+    with canary(
+        "aot/torch_aot.py:fake_mode_of/is_fake/aot_autograd_backend, aot/torch_dynamo.py:saved_tensors_hooks_disabled"
+    ):
+        seen = {}
+
+        def backend(gm, example_inputs):
+            fake = torch_aot.fake_mode_of(list(example_inputs))
+            seen["fake"] = torch_aot.is_fake(fake.from_tensor(torch.randn(2)))
+            with torch_dynamo.saved_tensors_hooks_disabled():
+                return torch_aot.aot_autograd_backend(
+                    fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward
+                )(gm, example_inputs)
+
+        w = torch.randn(4, requires_grad=True)
+        torch.compile(lambda x: (x * w).sum(), backend=backend)(torch.randn(4))
+        assert seen == {"fake": True}
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_an_added_example_input_is_a_static_fake_of_dynamos_mode():
+    """AOTAutograd fakeifies a real example with a sourceless size symbol per dimension; an input we add
+    beside Dynamo's is handed over as a fake of Dynamo's mode with plain int sizes instead."""
+    with canary("aot/torch_aot.py:traced_fake_mode/static_example"):
+        seen = {}
+
+        def backend(gm, example_inputs):
+            mode = torch_aot.traced_fake_mode(list(example_inputs))
+            added = torch_aot.static_example(mode, torch.zeros(148, 7))
+            seen["same mode"] = added.fake_mode is mode
+            seen["sizes"] = [type(d).__name__ for d in added.shape]
+            seen["kept"] = torch_aot.static_example(mode, added) is added
+            return gm.forward
+
+        torch.compile(lambda x: x * 2, backend=backend, dynamic=True)(torch.randn(4))
+        assert seen == {"same mode": True, "sizes": ["int", "int"], "kept": True}, seen
+        assert torch_aot.traced_fake_mode([torch.randn(2)]) is None
+        real = torch.randn(2)
+        assert torch_aot.static_example(None, real) is real
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_static_tracing_compiles_a_captured_graph_again_on_static_fakes_with_a_shape_env():
+    """ddp/in_graph/dispatch.py compiles a graph Dynamo captured once more, after Dynamo's call: inside
+    `static_tracing` the inputs become fakes of one mode with a ShapeEnv and plain int sizes, AOTAutograd
+    traces them (no symbol, no Dynamo), and the result computes what the graph does."""
+    with canary("aot/torch_aot.py:static_tracing"):
+        captured = {}
+
+        def backend(gm, example_inputs):
+            captured["gm"] = gm
+            return gm.forward
+
+        x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
+        torch.compile(lambda x, w: torch.tanh(x @ w).sum(), backend=backend)(x, w)
+        with torch_aot.static_tracing() as fakeify:
+            fakes = fakeify([x, w])
+            mode = torch_aot.traced_fake_mode(fakes)
+            assert mode is not None and mode.shape_env is not None
+            assert all(f.fake_mode is mode for f in fakes)
+            assert [type(d).__name__ for f in fakes for d in f.shape] == ["int"] * 4
+            compiled = torch_aot.aot_autograd_backend(
+                fw_compiler=lambda g, i: g.forward, bw_compiler=lambda g, i: g.forward
+            )(captured["gm"], fakes)
+            env = mode.shape_env
+            symbols = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # 2.14: renamed
+            assert not symbols, f"the compile made size symbols: {symbols}"
+        (out,) = compiled(x, w)
+        out.backward()
+        w2 = w.detach().clone().requires_grad_(True)
+        torch.tanh(x @ w2).sum().backward()
+        torch.testing.assert_close(w.grad, w2.grad)
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+def test_non_lazy_backward_compiles_the_backward_with_the_forward():
+    with canary("aot/torch_aot.py:non_lazy_backward"):
+        compiled = []
+
+        def backend(gm, example_inputs):
+            with torch_aot.non_lazy_backward():
+                return torch_aot.aot_autograd_backend(
+                    fw_compiler=lambda g, i: compiled.append("fw") or g.forward,
+                    bw_compiler=lambda g, i: compiled.append("bw") or g.forward,
+                )(gm, example_inputs)
+
+        w = torch.randn(4, requires_grad=True)
+        torch.compile(lambda x: (x * w).sin().sum(), backend=backend)(torch.randn(4))
+        assert compiled == ["fw", "bw"]  # before any backward ran
+
+
+# Canary on torch 2.11.0, 2.13.0, 2.14.1.
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_backward_compiled_with_its_forward_retains_the_graph_only_when_nothing_is_declared_donated(declared):
+    """AOTAutograd still marks the saved activations of a graph compiled with its backward as donated
+    (then a retaining backward is refused), and the forward compiler can still take that back."""
+    from aot import GraphPair, aot_compile, nop_compiler
+
+    def forward_compiler(gm, example_inputs):
+        if declared:
+            torch_aot.declare_nothing_donated()
+        return nop_compiler(gm, example_inputs)
+
+    def backend(gm, example_inputs):
+        with torch_aot.non_lazy_backward():
+            return aot_compile(
+                gm, example_inputs, fw_compiler=forward_compiler, bw_compiler=nop_compiler, pair=GraphPair(name="g")
+            )
+
+    with canary("aot/torch_aot.py:declare_nothing_donated"):
+        w, x = torch.randn(4, 4, requires_grad=True), torch.randn(2, 4)
+        out = torch.compile(lambda x: torch.tanh(x @ w) @ w, backend=backend)(x)
+        if declared:
+            out.sum().backward(retain_graph=True)
+            out.pow(2).sum().backward()
+            w2 = w.detach().clone().requires_grad_(True)
+            eager = torch.tanh(x @ w2) @ w2
+            eager.sum().backward(retain_graph=True)
+            eager.pow(2).sum().backward()
+            torch.testing.assert_close(w.grad, w2.grad)
+        else:
+            with pytest.raises(RuntimeError, match="donated buffers"):
+                out.sum().backward(retain_graph=True)

@@ -1,10 +1,11 @@
 """What the canary files `tests/single/test_torch_internals_*.py` share.
 
 Canaries: one per private torch internal we use, in one file per home or close group of homes
-(ddp/torch_ddp.py and ddp/torch_ddp_reducer.py: `_ddp`; aot/torch_dynamo.py, aot/torch_eager.py and
-aot/torch_dynamo_cache.py: `_dynamo`; aot/torch_graphs.py: `_aot_graphs`; inductor/torch_inductor.py:
-`_inductor`; every home's `capabilities()`: `_capabilities`). When a torch upgrade changes one, its canary
-fails with a message that names the function to update, instead of a confusing failure deep inside a compile.
+(ddp/torch_ddp.py and ddp/torch_ddp_reducer.py: `_ddp`; aot/torch_dynamo.py, aot/torch_aot.py,
+aot/torch_eager.py and aot/torch_dynamo_cache.py: `_dynamo`; aot/torch_graphs.py: `_aot_graphs`;
+inductor/torch_inductor.py: `_inductor`; every home's `capabilities()`: `_capabilities`). When a torch upgrade
+changes one, its canary fails with a message that names the function to update, instead of a confusing failure
+deep inside a compile.
 
 The comment above each canary names the torch versions it was run on (CI: the full suite on 2.13.0, these
 files (`python -m compile_core.doctor`) and `pytest -m compat` on 2.11.0 and 2.14.1, `.ci/run`) and how they
