@@ -176,6 +176,7 @@ class CompileState:
         self._compiled = self._events.compile(
             _entry_for(inner),
             self._mode.backend,
+            runs=inner,
             fullgraph=config.fullgraph,
             dynamic=config.dynamic,
             on_compiled=self._graph_compiled,

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 from aot.torch_dynamo import break_counters, compile_with_guard_hook, graph_break_of
 from compile_core import progress
+from compile_core.recompile_reasons import EntryNames
 from compile_core.reuse.compile_once import say
 
 Backend = Callable[..., Callable[..., Any]]
@@ -55,6 +56,7 @@ class CompileEvents:
         self.label: dict[str, Any] = {}
         """Keys added to every recompile noted from now on (e.g. `{"update": 3}`)."""
         self._guard_failures: list[tuple[str, str]] = []
+        self._entries: dict[str, EntryNames] = {}
         self._graphs_at_call_start: int | None = None
 
     # -- wiring --------------------------------------------------------------------------------------
@@ -69,9 +71,14 @@ class CompileEvents:
         isolate_recompiles: bool = False,
         on_compiled: Callable[[float], None] | None = None,
         guard_module_hooks: bool = False,
+        runs: Any = None,
     ) -> Callable[..., Any]:
         """`fn` compiled by Dynamo with `backend`, every event recorded here (`guard_module_hooks`: see
-        `compile_with_guard_hook`)."""
+        `compile_with_guard_hook`). `runs`: the module `fn` calls as it is called, whose `forward` and
+        parameter names its recompiles are reported in (compile_core/recompile_reasons.py)."""
+        if runs is not None:
+            names = EntryNames.of(fn, runs)
+            self._entries[names.entry_where] = names
         return compile_with_guard_hook(
             fn,
             self.wrap(backend, on_compiled=on_compiled),
@@ -146,6 +153,9 @@ class CompileEvents:
     def on_guard_fail(self, reason: str, where: str) -> None:
         if self.expected_switch is not None and self.expected_switch():
             return
+        names = self._entries.get(where)
+        if names is not None:
+            reason, where = names.translate(reason, where)
         with self.lock:
             self._guard_failures.append((reason, where))
 

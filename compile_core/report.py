@@ -233,7 +233,7 @@ class CompileReport:
                 out.append(f"    {f['graph']}: all-reduced after the backward: {f['reason']}")
         sections = (
             ("graph breaks", self.graph_breaks, lambda x: f"{x['where']}: {x['reason']}"),
-            ("recompiles", self.recompiles, lambda x: x["reason"]),
+            ("recompiles", self.recompiles, lambda x: f"{x['where']}: {x['reason']}"),
             ("fallbacks", self.fallbacks, lambda x: f"{x['piece']}: {x['from']} -> {x['to']} ({x['error']})"),
             ("notes", self.notes, str),
             (

@@ -153,7 +153,8 @@ class TrainStepReport:
             lines.append(f"  optimizer graph break: {b['reason']}")
         for r in d["recompiles"]:
             where = f" (update {r['update']})" if "update" in r else ""
-            lines.append(f"  recompile [{r['part']}]{where}: {r.get('reason', '?')}")
+            place = f" at {r['where']}" if r.get("where") else ""
+            lines.append(f"  recompile [{r['part']}]{where}{place}: {r.get('reason', '?')}")
         if self.model is not None:
             lines.append("model compile report:")
             lines.append(str(self.model))

@@ -122,6 +122,38 @@ def test_a_size_change_without_dynamic_is_a_reported_recompile():
     assert report["notes"] == []  # the recompiled graph has the same pieces: still DDP's buckets
 
 
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, scale: int = 1):
+        return self.b(torch.tanh(self.a(x))) * scale
+
+
+@pytest.mark.parametrize("mode", ["split", "in_graph"])
+def test_a_recompile_is_reported_at_the_users_forward_in_its_parameter_names(mode):
+    """Dynamo guards the locals of our entry frame (`compiled_entry(*args, **kwargs)`); until session 65 every
+    recompile was placed at compile_core/api.py, spoke of `args[0]` and `kwargs['scale']`, and carried torch's
+    stack through our entry. `torch.compile(model)` names the user's `forward` and its parameters."""
+    model = compile_core.compile(DDP(Scaled()), backend="aot_eager", ddp=mode, dynamic=False)
+    model(torch.randn(5, 8)).sum().backward()
+    model(torch.randn(7, 8)).sum().backward()  # a size guard on x
+    model(torch.randn(7, 8), scale=2).sum().backward()  # keyword arguments where there were none
+    model(torch.randn(7, 8), scale=3).sum().backward()  # a guard on the value of scale
+    recompiles = model.report().recompiles
+    assert len(recompiles) == 3, recompiles
+    forward = Scaled.forward.__code__
+    assert {r["where"] for r in recompiles} == {f"{forward.co_filename}:{forward.co_firstlineno} Scaled.forward"}
+    size, kwargs, value = (r["reason"] for r in recompiles)
+    assert "tensor 'x' size mismatch" in size, size
+    assert "no keyword arguments" in kwargs, kwargs
+    assert "scale == 2" in value and f"used at {__file__}:" in value, value
+    for r in recompiles:
+        assert "args" not in r["reason"] and "compile_core" not in r["reason"] and "\n" not in r["reason"], r
+    assert "Scaled.forward: " in str(model.report())
+
+
 def test_each_recompile_is_counted_once():
     """Two cached entries failing before one new compile make one recompile, not two."""
     shapes = [(2, 8), (2, 9), (3, 10)]  # static; dynamic length; a new batch size fails both entries
