@@ -114,13 +114,22 @@ NO_TARGET: Any = object()
 """`step(...)` called without `target=`: the last positional argument is the target."""
 
 
-def split_args(args: tuple[Any, ...], target: Any) -> tuple[tuple[Any, ...], Any]:
-    """(model inputs, target) of `step(*inputs, target)` or `step(*inputs, target=...)`; an explicit
-    `target=None` is a target (a loss that reads the labels from the model's output ignores it)."""
+def split_args(args: tuple[Any, ...], target: Any, keywords: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
+    """(positional model inputs, target) of `step(*inputs, target, **keyword_inputs)` or
+    `step(*inputs, target=..., **keyword_inputs)`; an explicit `target=None` is a target (a loss that reads the
+    labels from the model's output ignores it)."""
     if target is not NO_TARGET:
-        if not args:
+        if not args and not keywords:
             raise TypeError("step(*inputs, target): no inputs given")
         return args, target
+    if keywords:
+        if not args:
+            raise TypeError(
+                f"step(**inputs) with keyword inputs {sorted(keywords)} and no target: pass target=... too, "
+                "e.g. step(**batch, target=None) when loss_fn reads the loss from the model's output (a Hugging "
+                "Face model given labels=), or step(**batch, target=y)"
+            )
+        return args[:-1], args[-1]
     if len(args) < 2:
         raise TypeError(
             f"step(*inputs, target): got {len(args)} positional argument(s); pass the model inputs "

@@ -134,13 +134,14 @@ class TrainStep:
         """The optimizer update, one object whatever runs it (compile_core/step/update_path.py)."""
 
     # -- the step -------------------------------------------------------------------------------
-    def __call__(self, *args: Any, target: Any = NO_TARGET) -> torch.Tensor:
-        """`step(*inputs, target)` or `step(*inputs, target=target)`: one micro-batch."""
-        inputs, target = split_args(args, target)
+    def __call__(self, *args: Any, target: Any = NO_TARGET, **keyword_inputs: Any) -> torch.Tensor:
+        """`step(*inputs, target)` or `step(*inputs, target=target)`: one micro-batch; keyword inputs go to the
+        model as keywords (`step(**batch, target=None)`: `model(**batch)`)."""
+        inputs, target = split_args(args, target, keyword_inputs)
         progress.report()  # for a launcher watching for hangs (compile_core/progress.py)
         sync = self.pending_micro_batches == self.config.accum_steps - 1
         eager = self.update.before_forward(self._updates + 1, sync=sync, first=self._micro_batches == 0)
-        loss = self._forward_backward(inputs, target, sync=sync, eager=eager)
+        loss = self._forward_backward(inputs, keyword_inputs, target, sync=sync, eager=eager)
         self._micro_batches += 1
         self.applied = sync
         if sync:
@@ -148,14 +149,20 @@ class TrainStep:
         return loss
 
     def _forward_backward(
-        self, inputs: tuple[Any, ...], target: Any, *, sync: bool, eager: EagerMicroBatch | None
+        self,
+        inputs: tuple[Any, ...],
+        keyword_inputs: dict[str, Any],
+        target: Any,
+        *,
+        sync: bool,
+        eager: EagerMicroBatch | None,
     ) -> torch.Tensor:
         # no_sync must cover the forward too: DDP arms the reducer for the next backward there.
         skip_sync = self._ddp.no_sync() if (self._ddp is not None and not sync) else contextlib.nullcontext()
         # `eager`: the update path runs this micro-batch as eager DDP (update 1 with the optimizer in the backward)
         with skip_sync, eager.running() if eager is not None else contextlib.nullcontext():
             with self._autocast():
-                output = self.compiled_model(*inputs)
+                output = self.compiled_model(*inputs, **keyword_inputs)
                 loss = self.loss_fn(output, target)
             check_loss(loss)
             scaled = loss / self.config.accum_steps if self.config.accum_steps > 1 else loss
@@ -272,7 +279,8 @@ def train_step(
     optimizer_in_backward: bool = False,
     **compile_kwargs: Any,
 ) -> TrainStep:
-    """Build a compiled training step: `loss = step(*inputs, target)`.
+    """Build a compiled training step: `loss = step(*inputs, target)` (or `step(*inputs, target=..., **keyword_inputs)`,
+    the keywords passed to the model as keywords).
 
     Each call runs one micro-batch (compiled forward, `loss_fn(output, target)`, backward of
     `loss / accum_steps`); every `accum_steps`-th call also clips (if `clip_grad_norm`), runs the

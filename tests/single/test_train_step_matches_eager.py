@@ -1,7 +1,7 @@
 """compile_core.train_step on one process (world-size-1 gloo group, DDP-wrapped models) trains like eager DDP:
-plain steps, targets passed by keyword or as None, gradient accumulation (with DDP's all-reduce count),
-gradient clipping, bf16 autocast, fp16 autocast with a GradScaler, and one run through real Inductor codegen.
-Every check compares against eager DDP doing the same thing with the same seeds and batches."""
+plain steps, targets passed by keyword or as None, model inputs passed as keywords, gradient accumulation (with
+DDP's all-reduce count), gradient clipping, bf16 autocast, fp16 autocast with a GradScaler, and one run through
+real Inductor codegen. Every check compares against eager DDP doing the same thing with the same seeds and batches."""
 
 from __future__ import annotations
 
@@ -105,6 +105,42 @@ def test_target_none_by_keyword_for_a_loss_that_needs_no_target():
         ref_opt.zero_grad()
     assert seen == [None, None]
     assert_params_close(model, ref)
+
+
+def test_keyword_inputs_go_to_the_model_as_keywords():
+    """A Hugging Face batch is a dict the model takes as keywords (`model(**batch)`, labels among them):
+    `step(**batch, target=None)`. Until session 65 a keyword input was a TypeError of the step itself."""
+
+    class KeywordModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.gate = nn.Linear(8, 4), nn.Linear(8, 4)
+
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            out = self.fc(input_ids)
+            if attention_mask is not None:
+                out = out * torch.sigmoid(self.gate(attention_mask))
+            return {"loss": F.mse_loss(out, labels), "logits": out}
+
+    torch.manual_seed(0)
+    model = DDP(KeywordModel())
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.1), torch.optim.AdamW(ref.parameters(), lr=0.1)
+    step = train_step(model, opt, lambda out, target: out["loss"], backend=BACKEND)
+    data = [dict(input_ids=x, attention_mask=x.flip(0), labels=y) for x, y in batches(3)]
+    losses = [step(**batch, target=None) for batch in data[:2]]
+    losses.append(step(data[2]["input_ids"], labels=data[2]["labels"], target=None))  # positional and keywords
+    for i, batch in enumerate(data):
+        kwargs = batch if i < 2 else {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+        ref_losses = ref(**kwargs)["loss"]
+        ref_losses.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(losses[i], ref_losses.detach(), rtol=RTOL, atol=ATOL)
+    assert_params_moved(model)
+    assert_params_close(model, ref)
+    with pytest.raises(TypeError, match=r"target=None"):
+        step(**data[0])  # no target: the step cannot tell the loss needs none
 
 
 class AllReduceCount:
