@@ -180,3 +180,75 @@ def test_accumulated_gradients_copied_out_of_the_cuda_graph_pool_match_eager_ddp
     assert results[0]["losses"] != results[1]["losses"]
     for i, (p0, p1) in enumerate(zip(results[0]["params"], results[1]["params"])):
         np.testing.assert_array_equal(p0, p1, err_msg=f"param {i} differs between ranks")
+
+
+def _keyword_rank_fn(rank: int, world_size: int, ddp_mode: str, in_backward: bool):
+    """A model that takes its batch as keywords and computes its own loss from `labels=` (a Hugging Face
+    model's shape), through `step(**batch, target=None)`, against eager DDP's `model(**batch)["loss"]`."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import compile_core
+
+    class KeywordModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.mix, self.head = nn.Embedding(32, 16), nn.Linear(16, 16), nn.Linear(16, 32)
+
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            h = torch.tanh(self.mix(self.embed(input_ids)))
+            if attention_mask is not None:
+                h = h * attention_mask.unsqueeze(-1)
+            logits = self.head(h)
+            return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+    torch.manual_seed(0)
+    inner = to_rank_device(KeywordModel())
+    ref_inner = copy.deepcopy(inner)
+    model, ref = wrap_ddp(inner, bucket_cap_mb=0.002), wrap_ddp(ref_inner, bucket_cap_mb=0.002)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    step = compile_core.train_step(
+        model,
+        opt,
+        lambda out, target: out["loss"],
+        backend="aot_eager",
+        ddp=ddp_mode,
+        optimizer_in_backward=in_backward,
+        accum_steps=ACCUM,
+    )
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = []
+    for _ in range(UPDATES * ACCUM):
+        ids = torch.randint(0, 32, (2, 6), generator=gen)
+        mask = (torch.rand(2, 6, generator=gen) > 0.2).float()
+        batches.append({k: to_rank_device(v) for k, v in dict(input_ids=ids, attention_mask=mask, labels=ids).items()})
+    for batch in batches:
+        step(**batch, target=None)
+    for i, batch in enumerate(batches):
+        if (i + 1) % ACCUM:
+            with ref.no_sync():
+                (ref(**batch)["loss"] / ACCUM).backward()
+        else:
+            (ref(**batch)["loss"] / ACCUM).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    named = lambda m: {n: p.detach().cpu() for n, p in m.named_parameters()}  # noqa: E731
+    return {"params": named(inner), "ref": named(ref_inner)}
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ddp_mode,in_backward", [("split", False), ("in_graph", True)], ids=["split", "in_backward"])
+def test_keyword_inputs_with_accumulation_match_eager_ddp_on_two_ranks(ddp_mode, in_backward):
+    """`step(**batch, target=None)`: keyword inputs reach the model as keywords (session 65; a TypeError before)."""
+    import torch
+
+    results = run_ranks(_keyword_rank_fn, ddp_mode, in_backward, world_size=2, timeout=240)
+    for rank, r in enumerate(results):
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, r["ref"][name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    for name, p in results[0]["params"].items():
+        assert torch.equal(p, results[1]["params"][name]), f"{name} differs between ranks"
