@@ -56,7 +56,7 @@ class CompileEvents:
         self.label: dict[str, Any] = {}
         """Keys added to every recompile noted from now on (e.g. `{"update": 3}`)."""
         self._guard_failures: list[tuple[str, str]] = []
-        self._entries: dict[str, EntryNames] = {}
+        self._entry: EntryNames | None = None
         self._graphs_at_call_start: int | None = None
 
     # -- wiring --------------------------------------------------------------------------------------
@@ -77,8 +77,7 @@ class CompileEvents:
         `compile_with_guard_hook`). `runs`: the module `fn` calls as it is called, whose `forward` and
         parameter names its recompiles are reported in (compile_core/recompile_reasons.py)."""
         if runs is not None:
-            names = EntryNames.of(fn, runs)
-            self._entries[names.entry_where] = names
+            self._entry = EntryNames.of(fn, runs)
         return compile_with_guard_hook(
             fn,
             self.wrap(backend, on_compiled=on_compiled),
@@ -153,9 +152,8 @@ class CompileEvents:
     def on_guard_fail(self, reason: str, where: str) -> None:
         if self.expected_switch is not None and self.expected_switch():
             return
-        names = self._entries.get(where)
-        if names is not None:
-            reason, where = names.translate(reason, where)
+        if self._entry is not None:  # another frame's failure (a resumed frame, in the user's names) stays
+            reason, where = self._entry.translate(reason, where)
         with self.lock:
             self._guard_failures.append((reason, where))
 

@@ -122,15 +122,13 @@ def split_args(args: tuple[Any, ...], target: Any, keywords: dict[str, Any]) -> 
         if not args and not keywords:
             raise TypeError("step(*inputs, target): no inputs given")
         return args, target
-    if keywords:
-        if not args:
-            raise TypeError(
-                f"step(**inputs) with keyword inputs {sorted(keywords)} and no target: pass target=... too, "
-                "e.g. step(**batch, target=None) when loss_fn reads the loss from the model's output (a Hugging "
-                "Face model given labels=), or step(**batch, target=y)"
-            )
-        return args[:-1], args[-1]
-    if len(args) < 2:
+    if keywords and not args:
+        raise TypeError(
+            f"step(**inputs) with keyword inputs {sorted(keywords)} and no target: pass target=... too, "
+            "e.g. step(**batch, target=None) when loss_fn reads the loss from the model's output (a Hugging "
+            "Face model given labels=), or step(**batch, target=y)"
+        )
+    if not keywords and len(args) < 2:
         raise TypeError(
             f"step(*inputs, target): got {len(args)} positional argument(s); pass the model inputs "
             "followed by the target, e.g. step(x, y), step(x, target=y), or step(x, target=None) when "
