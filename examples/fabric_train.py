@@ -93,12 +93,6 @@ def main(argv: list[str] | None = None) -> None:
         if fabric.global_rank == 0 and isinstance(strategy, FabricDDPCompileStrategy):
             (args.out / "report.json").write_text(json.dumps(strategy.compile_report().to_dict(), default=str))
 
-    if torch.distributed.is_initialized():
-        # Left to interpreter exit, a process group can abort the process there (SIGABRT, "terminate called
-        # without an active exception"): gloo's worker threads may still hold the last collective's tensors
-        # while Python finalizes (pytorch/pytorch#179291, unfixed). Destroyed while Python is alive, it cannot.
-        torch.distributed.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

@@ -108,12 +108,6 @@ def main(argv: list[str] | None = None) -> None:
         if trainer.is_world_process_zero() and compiled is not None:
             (args.out / "report.json").write_text(json.dumps(compiled.report().to_dict(), default=str))
 
-    if torch.distributed.is_initialized():
-        # Left to interpreter exit, a process group can abort the process there (SIGABRT, "terminate called
-        # without an active exception"): gloo's worker threads may still hold the last collective's tensors
-        # while Python finalizes (pytorch/pytorch#179291, unfixed). Destroyed while Python is alive, it cannot.
-        torch.distributed.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()
